@@ -1,0 +1,76 @@
+"""Engine configuration: one flat, validated description of an instance (named like `vllm serve`'s flags)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pdserve.models.config import ModelConfigError, parse_dtype
+
+ROLES = ("both", "prefill", "decode", "encode")
+DEFAULT_KV_CACHE_GIB = 1.0
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: Path
+    served_model_name: str | None = None
+    tokenizer: Path | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # overrides the memory budget below (vLLM: --num-gpu-blocks-override)
+    kv_cache_memory_gib: float = DEFAULT_KV_CACHE_GIB
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    seed: int = 0
+    num_threads: int | None = None
+    device: str = "cpu"
+    role: str = "both"
+    kv_transfer_config: dict[str, Any] = field(default_factory=dict)
+    ec_transfer_config: dict[str, Any] = field(default_factory=dict)
+    fault_injection: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.model = Path(self.model)
+        if self.role not in ROLES:
+            raise ValueError(f"unknown role {self.role!r}; choose one of {', '.join(ROLES)}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or str(self.model)
+
+    def torch_dtype(self, config_dtype: torch.dtype | None) -> torch.dtype:
+        if self.dtype != "auto":
+            return parse_dtype(self.dtype)
+        chosen = config_dtype or torch.float32
+        if chosen == torch.float16 and self.device == "cpu":
+            # fp16 kernels on CPU are slow and inexact; bf16 has the same storage cost (vLLM does this too).
+            return torch.bfloat16
+        return chosen
+
+    def resolve_max_model_len(self, max_position_embeddings: int) -> int:
+        if self.max_model_len is None:
+            return max_position_embeddings
+        if self.max_model_len > max_position_embeddings:
+            raise ModelConfigError(
+                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
+                f"{max_position_embeddings}")
+        return self.max_model_len
+
+    def resolve_num_blocks(self, block_bytes: int, max_model_len: int) -> int:
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        by_memory = int(self.kv_cache_memory_gib * (1 << 30)) // block_bytes
+        # Never more than every sequence at full length could use: no point reserving memory nobody can fill.
+        by_need = self.max_num_seqs * -(-max_model_len // self.block_size)
+        return max(min(by_memory, by_need), -(-max_model_len // self.block_size))

@@ -1,0 +1,168 @@
+"""The engine: a scheduler, a model runner and an output processor, driven one step at a time."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.model_runner import ModelRunner, default_kv_allocator
+from pdserve.engine.output_processor import OutputProcessor, RequestOutput
+from pdserve.engine.request import MultiModalItem, Request, RequestStatus
+from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.ids import ReqId, make_internal_request_id
+from pdserve.models.config import ModelConfigError, parse_dtype, read_config_json
+from pdserve.sampling_params import SamplingParams
+from pdserve.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class PromptError(ValueError):
+    """A prompt the engine cannot take (too long, empty, out-of-vocabulary ids); the server answers 400."""
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_held: int
+    blocks_used: int
+    blocks_total: int
+    kv_cache_usage: float
+    prefix_queries: int
+    prefix_hits: int
+    num_preemptions: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, connectors: Any = None) -> None:
+        """`connectors` (see pdserve.kv_transfer.factory) supplies connector halves and the KV allocator."""
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        raw = read_config_json(config.model)
+        text_raw = raw.get("text_config", raw)
+        self.dtype = config.torch_dtype(checkpoint_dtype(raw))
+        max_positions = int(text_raw.get("max_position_embeddings", 2048))
+        self.max_model_len = config.resolve_max_model_len(max_positions)
+        self.tokenizer = Tokenizer(config.tokenizer or config.model)
+        worker_half = connectors.worker if connectors is not None else None
+        self.runner = ModelRunner(config.model, self.dtype, self.max_model_len, config.block_size, config.seed,
+                                  config.device, connector=worker_half)
+        self.vocab_size = self.runner.cfg.vocab_size
+        self.eos_token_ids = self.tokenizer.eos_token_ids or self.runner.cfg.eos_token_ids
+        num_blocks = config.resolve_num_blocks(self.runner.kv_block_bytes(), self.max_model_len)
+        allocator = connectors.kv_allocator if connectors is not None else default_kv_allocator
+        self.runner.allocate_kv_cache(num_blocks, allocator)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.max_seq_len = max_sequence_length(config, self.max_model_len, num_blocks)
+        sched_cfg = SchedulerConfig(
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_seq_len, enable_chunked_prefill=config.enable_chunked_prefill,
+            kv_load_failure_policy=config.kv_transfer_config.get("kv_load_failure_policy", "recompute"))
+        self.scheduler = Scheduler(sched_cfg, self.kv, connectors.scheduler if connectors is not None else None)
+        self.output = OutputProcessor(self.tokenizer)
+        log.info("engine ready: %s, dtype %s, %d KV blocks of %d tokens, max_model_len %d", config.model,
+                 self.dtype, num_blocks, config.block_size, self.max_model_len)
+
+    # -- requests ---------------------------------------------------------------------------------------
+    def check_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise PromptError("the prompt is empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise PromptError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt has "
+                f"{len(prompt_token_ids)} tokens, which leaves no room to generate.")
+        if len(prompt_token_ids) >= self.max_seq_len:
+            raise PromptError(
+                f"This engine runs sequences of at most {self.max_seq_len} tokens (KV cache size, or "
+                f"max_num_batched_tokens without chunked prefill). However, your prompt has "
+                f"{len(prompt_token_ids)} tokens, which leaves no room to generate.")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise PromptError(f"token id {bad[0]} is out of vocabulary (vocab size {self.vocab_size})")
+
+    def add_request(self, external_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    kv_transfer_params: dict[str, Any] | None = None, mm_items: list[MultiModalItem] | None = None,
+                    request_id: ReqId | None = None, detokenize: bool = True) -> ReqId:
+        self.check_prompt(prompt_token_ids)
+        params.validate(self.vocab_size)
+        rid = request_id or make_internal_request_id(external_id)
+        request = Request(request_id=rid, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
+                          eos_token_ids=self.eos_token_ids, external_id=external_id,
+                          kv_transfer_params=kv_transfer_params, mm_items=mm_items or [])
+        self.output.add_request(request, detokenize)
+        self.scheduler.add_request(request)
+        return rid
+
+    def abort_request(self, request_id: ReqId) -> list[RequestOutput]:
+        ended = self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
+        outputs, _ = self.output.process(ended)
+        self.output.drop(request_id)
+        return outputs
+
+    # -- the loop ---------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        result = self.runner.execute_model(plan)
+        return self._process(self.scheduler.update_from_output(plan, result))
+
+    def _process(self, touched: list[Request]) -> list[RequestOutput]:
+        outputs, stopped = self.output.process(touched)
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+            # Those outputs were built before finishing; attach what finishing handed back.
+            by_id = {r.request_id: r for r in touched}
+            for out in outputs:
+                if out.request_id in stopped:
+                    out.kv_transfer_params = by_id[out.request_id].returned_kv_transfer_params
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            num_held=len(self.scheduler.held), blocks_used=self.kv.num_used_blocks, blocks_total=self.kv.num_blocks,
+            kv_cache_usage=self.kv.usage, prefix_queries=self.kv.prefix_queries, prefix_hits=self.kv.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions)
+
+
+def max_sequence_length(config: EngineConfig, max_model_len: int, num_blocks: int) -> int:
+    """The longest sequence this engine can ever schedule; longer ones are length-capped (or prompts refused).
+
+    A sequence can use at most the whole KV cache (num_kv_blocks may undercut max_model_len), and without
+    chunked prefill its prompt, or its prompt and output recomputed after a preemption, must fit in one step's
+    token budget. Past either limit a request would wait forever for a step that can never take it.
+    """
+    limit = min(max_model_len, num_blocks * config.block_size)
+    if not config.enable_chunked_prefill:
+        limit = min(limit, config.max_num_batched_tokens)
+    return limit
+
+
+def checkpoint_dtype(raw: dict[str, Any]) -> torch.dtype | None:
+    for section in (raw.get("text_config") or {}, raw):
+        name = section.get("dtype") or section.get("torch_dtype")
+        if name:
+            return parse_dtype(name)
+    return None
+
+
+def check_model_dir(config: EngineConfig) -> None:
+    """Fail early and clearly when the folder is not a model pdserve can serve."""
+    from pdserve.models.config import architecture_of
+    from pdserve.models.registry import MODEL_REGISTRY
+
+    arch = architecture_of(read_config_json(config.model))
+    if arch not in MODEL_REGISTRY:
+        raise ModelConfigError(f"unsupported architecture {arch!r}; supported: {', '.join(sorted(MODEL_REGISTRY))}")

@@ -1,0 +1,153 @@
+"""The model runner: owns the tensors (weights, KV cache, generators), turns a plan into a batch, runs the
+model and samples. It makes no policy: what to run comes from the scheduler's plan."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from pdserve.engine.kv_cache_manager import cdiv
+from pdserve.engine.outputs import KVConnectorOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pdserve.engine.sampler import sample
+from pdserve.ids import ReqId
+from pdserve.kv_transfer.base import KVConnectorWorker
+from pdserve.layers.attention import AttentionMetadata, PrefillChunk
+from pdserve.models.llama import ForwardContext, NoHooks
+from pdserve.models.registry import LoadedModel, load_model
+
+# Allocates the KV cache tensor; data planes that share memory across processes provide their own.
+KVAllocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+
+
+def default_kv_allocator(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    # Zeroed, not empty: padded attention multiplies masked slots by 0, and 0 * NaN from stale memory is NaN.
+    return torch.zeros(shape, dtype=dtype)
+
+
+class ModelRunner:
+    def __init__(self, model_dir: Path, dtype: torch.dtype, max_model_len: int, block_size: int, seed: int = 0,
+                 device: str = "cpu", connector: KVConnectorWorker | None = None) -> None:
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.block_size = block_size
+        self.loaded: LoadedModel = load_model(model_dir, dtype, self.device, max_model_len)
+        self.model = self.loaded.model
+        self.cfg = self.loaded.text_config
+        self.connector = connector
+        self.kv_cache: torch.Tensor | None = None
+        self.generators: dict[ReqId, torch.Generator] = {}
+        self.default_generator = torch.Generator().manual_seed(seed)
+
+    # -- KV cache ---------------------------------------------------------------------------------------
+    def kv_block_shape(self) -> tuple[int, ...]:
+        c = self.cfg
+        return (c.num_layers, 2, c.num_kv_heads, self.block_size, c.head_dim)
+
+    def kv_block_bytes(self) -> int:
+        n = 1
+        for d in self.kv_block_shape():
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+    def allocate_kv_cache(self, num_blocks: int, allocator: KVAllocator = default_kv_allocator) -> torch.Tensor:
+        self.kv_cache = allocator((num_blocks, *self.kv_block_shape()), self.dtype)
+        if self.connector is not None:
+            self.connector.register_kv_caches(self.kv_cache)
+        return self.kv_cache
+
+    # -- one step ---------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        for rid in plan.finished_req_ids:
+            self.generators.pop(rid, None)
+        connector = self.connector
+        if connector is not None and plan.kv_connector_metadata is not None:
+            connector.bind_connector_metadata(plan.kv_connector_metadata)
+            connector.start_load_kv()
+        out = ModelRunnerOutput()
+        if plan.scheduled:
+            self._run(plan.scheduled, out)
+        if connector is not None:
+            connector.wait_for_save()
+            sending, recving = connector.get_finished(plan.finished_req_ids)
+            out.connector = KVConnectorOutput(
+                finished_sending=sending, finished_recving=recving, failed_recving=connector.get_failed_recving(),
+                invalid_block_ids=connector.get_block_ids_with_load_errors())
+            connector.clear_connector_metadata()
+        return out
+
+    def _run(self, scheduled: list[ScheduledRequest], out: ModelRunnerOutput) -> None:
+        batch = [s for s in scheduled if s.is_decode] + [s for s in scheduled if not s.is_decode]
+        input_ids, positions, attn, sample_rows = self._prepare(batch)
+        ctx = ForwardContext(attn=attn, kv_cache=self.kv_cache, hooks=self.connector or NoHooks())
+        hidden = self.model.forward(input_ids, positions, ctx, inputs_embeds=self._embed_inputs(batch, input_ids))
+        sampling = [batch[i] for i, _ in sample_rows]
+        if not sampling:
+            return
+        rows = torch.tensor([row for _, row in sample_rows])
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        result = sample(logits, sampling, [self._generator(s) for s in sampling], self.default_generator)
+        for i, s in enumerate(sampling):
+            out.sampled_token_ids[s.request_id] = result.token_ids[i]
+            if i in result.logprobs:
+                out.logprobs[s.request_id] = result.logprobs[i]
+
+    def _embed_inputs(self, batch: list[ScheduledRequest], input_ids: torch.Tensor) -> torch.Tensor | None:
+        """Text-only models embed token ids inside forward; multimodal runners override this."""
+        return None
+
+    def _generator(self, s: ScheduledRequest) -> torch.Generator | None:
+        seed = s.sampling_params.seed
+        if seed is None:
+            return None
+        generator = self.generators.get(s.request_id)
+        if generator is None:
+            generator = self.generators[s.request_id] = torch.Generator().manual_seed(seed)
+        return generator
+
+    def _prepare(self, batch: list[ScheduledRequest]
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[tuple[int, int]]]:
+        """Flat inputs, attention metadata, and (batch index, last row) of every request that samples."""
+        bs = self.block_size
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slot_block: list[int] = []
+        slot_offset: list[int] = []
+        decodes = [s for s in batch if s.is_decode]
+        prefills: list[PrefillChunk] = []
+        sample_rows: list[tuple[int, int]] = []
+        row = 0
+        for index, s in enumerate(batch):
+            n = len(s.token_ids)
+            token_ids.extend(s.token_ids)
+            table = s.block_ids
+            for p in range(s.start_position, s.start_position + n):
+                positions.append(p)
+                slot_block.append(table[p // bs])
+                slot_offset.append(p % bs)
+            if not s.is_decode:
+                covered = cdiv(s.start_position + n, bs)
+                prefills.append(PrefillChunk(row, row + n, s.start_position, torch.tensor(table[:covered])))
+            row += n
+            if s.sample:
+                sample_rows.append((index, row - 1))
+        attn = AttentionMetadata(slot_block=torch.tensor(slot_block), slot_offset=torch.tensor(slot_offset),
+                                 num_decode_tokens=len(decodes), prefills=prefills)
+        if decodes:
+            attn.decode_block_table, attn.decode_bias = self._decode_tables(decodes)
+        return torch.tensor(token_ids), torch.tensor(positions), attn, sample_rows
+
+    def _decode_tables(self, decodes: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
+        bs = self.block_size
+        lengths = [s.start_position + 1 for s in decodes]
+        max_blocks = cdiv(max(lengths), bs)
+        table = torch.zeros((len(decodes), max_blocks), dtype=torch.long)
+        for i, s in enumerate(decodes):
+            n = cdiv(lengths[i], bs)
+            table[i, :n] = torch.tensor(s.block_ids[:n])
+        keys = torch.arange(max_blocks * bs).unsqueeze(0)
+        visible = keys < torch.tensor(lengths).unsqueeze(1)
+        bias = torch.zeros(visible.shape, dtype=torch.float32).masked_fill_(~visible, float("-inf"))
+        return table, bias.view(len(decodes), 1, 1, max_blocks * bs)

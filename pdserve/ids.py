@@ -1,0 +1,38 @@
+"""Identifiers that cross boundaries (DESIGN.md §2).
+
+Three kinds of ids live in pdserve and must never be mixed up, so each has its own type:
+
+* the external request id: the client's ``X-Request-Id`` (or one the gateway minted); same on every leg;
+* ``ReqId``: an instance's internal id, the external id plus a random suffix, so that P and D never share one;
+* ``TransferId``: minted once per attempt by the gateway, shared by every leg, used by everything that crosses
+  instances (side-channel messages, transfer bookkeeping).
+"""
+
+from __future__ import annotations
+
+import secrets
+import uuid
+from typing import NewType
+
+ReqId = NewType("ReqId", str)
+TransferId = NewType("TransferId", str)
+EngineId = NewType("EngineId", str)
+
+TRANSFER_ID_PREFIX = "xfer-"
+
+
+def new_external_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def make_internal_request_id(external_id: str) -> ReqId:
+    """The external id plus a random suffix, as vLLM does since its PR 27987."""
+    return ReqId(f"{external_id}-{secrets.token_hex(4)}")
+
+
+def new_transfer_id() -> TransferId:
+    return TransferId(f"{TRANSFER_ID_PREFIX}{uuid.uuid4()}")
+
+
+def new_engine_id() -> EngineId:
+    return EngineId(str(uuid.uuid4()))

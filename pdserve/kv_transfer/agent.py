@@ -1,0 +1,438 @@
+"""The transfer agent: an instance's cross-instance work, on its own asyncio thread.
+
+Producer side: leases on held blocks (renewed by heartbeats, ended by read-done, release or expiry) and the
+checks that guard every read. Consumer side: handshakes (compatibility hash, engine id), loads with deadlines,
+heartbeats for the transfers it still needs, and releases when it gives up. The engine thread talks to it only
+through the thread-safe methods at the top; results come back through ``take_*``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq.asyncio
+
+from pdserve.ids import ReqId
+from pdserve.kv_transfer.data_plane import DataPlane, DataPlaneError, PeerChannel
+from pdserve.kv_transfer.data_plane.shm import host_identity
+from pdserve.kv_transfer.faults import FaultConfig, FaultInjector, InjectedFault
+from pdserve.kv_transfer.messages import (Ack, Handshake, HandshakeReply, Heartbeat, Message, ReadDone, ReadGrant,
+                                          Release)
+from pdserve.kv_transfer.side_channel import SideChannelClient, SideChannelError, SideChannelServer
+
+log = logging.getLogger(__name__)
+
+# How long a read-done that beat its hold registration is remembered.
+_EARLY_NOTICE_TTL_S = 60.0
+
+
+@dataclass(slots=True)
+class Lease:
+    key: str
+    token: str
+    block_ids: frozenset[int]
+    expires_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class LoadJob:
+    request_id: ReqId
+    host: str
+    port: int
+    engine_id: str
+    key: str
+    token: str
+    remote_block_ids: tuple[int, ...]
+    local_block_ids: tuple[int, ...]
+    deadline_s: float
+
+
+@dataclass(slots=True)
+class LoadResult:
+    request_id: ReqId
+    ok: bool
+    error: str = ""
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(slots=True)
+class _Peer:
+    """A handshaken producer: its identity and an open data channel."""
+
+    engine_id: str
+    channel: PeerChannel
+    plane: str
+
+
+@dataclass(slots=True)
+class AgentStats:
+    bytes_received: int = 0
+    bytes_sent: int = 0
+    loads_ok: int = 0
+    loads_failed: int = 0
+    leases_expired: int = 0
+    releases_received: int = 0
+    read_done_received: int = 0
+    load_seconds_total: float = 0.0
+    handshake_refusals: int = 0
+
+
+@dataclass(slots=True)
+class AgentConfig:
+    engine_id: str
+    compat_hash: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    lease_s: float = 30.0
+    handshake_timeout_s: float = 5.0
+    message_timeout_s: float = 10.0
+    load_timeout_s: float = 60.0
+    hold_wait_s: float = 2.0
+    preferred_plane: str = "auto"  # "auto" picks shm when the peer shares this host
+    planes: dict[str, DataPlane] = field(default_factory=dict)
+    faults: FaultConfig = field(default_factory=FaultConfig)
+
+
+class TransferAgent:
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.stats = AgentStats()
+        self.faults = FaultInjector(config.faults)
+        self._lock = threading.Lock()
+        self._leases: dict[str, Lease] = {}
+        self._released: set[str] = set()
+        self._early_notices: dict[str, float] = {}
+        self._completed: list[LoadResult] = []
+        self._heartbeats: dict[tuple[str, int], set[str]] = {}
+        self._clients: dict[tuple[str, int], SideChannelClient] = {}
+        self._peers: dict[tuple[str, int], _Peer] = {}
+        self._peer_locks: dict[tuple[str, int], asyncio.Lock] = {}
+        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pdserve-transfer")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._server: SideChannelServer | None = None
+        self._ctx: zmq.asyncio.Context | None = None
+        self.port = 0
+
+    # == thread-safe API (engine thread) ==================================================================
+    def start(self) -> None:
+        for plane in self.config.planes.values():
+            plane.start(self._authorize)
+        self._thread = threading.Thread(target=self._run_loop, name="pdserve-agent", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(10):
+            raise RuntimeError("the transfer agent did not start")
+
+    def stop(self) -> None:
+        if self._loop is not None and self._loop.is_running():
+            asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(10)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        if self._thread is not None:
+            self._thread.join(10)
+        for plane in self.config.planes.values():
+            plane.stop()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def hold(self, key: str, token: str, block_ids: list[int]) -> None:
+        """Producer: keep these blocks for a consumer until read-done, release or lease expiry."""
+        with self._lock:
+            if self._early_notices.pop(key, None) is not None:
+                self._released.add(key)
+                return
+            self._leases[key] = Lease(key, token, frozenset(block_ids), time.monotonic() + self.config.lease_s)
+
+    def take_released(self) -> set[str]:
+        with self._lock:
+            out, self._released = self._released, set()
+        return out
+
+    def submit_load(self, job: LoadJob) -> None:
+        self._call(self._load(job))
+
+    def take_completed(self) -> list[LoadResult]:
+        with self._lock:
+            out, self._completed = self._completed, []
+        return out
+
+    def watch(self, host: str, port: int, key: str) -> None:
+        """Consumer: send heartbeats for this transfer until `unwatch`."""
+        with self._lock:
+            self._heartbeats.setdefault((host, port), set()).add(key)
+
+    def unwatch(self, host: str, port: int, key: str) -> None:
+        with self._lock:
+            keys = self._heartbeats.get((host, port))
+            if keys is not None:
+                keys.discard(key)
+                if not keys:
+                    del self._heartbeats[(host, port)]
+
+    def send_release(self, host: str, port: int, key: str, token: str, reason: str) -> None:
+        """Consumer: tell the producer to free a transfer's blocks now (fire and forget, with a deadline)."""
+        self._call(self._release(host, port, key, token, reason))
+
+    def num_leases(self) -> int:
+        with self._lock:
+            return len(self._leases)
+
+    def _call(self, coro: Any) -> None:
+        assert self._loop is not None
+        asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    # == the agent thread =================================================================================
+    def _run_loop(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        asyncio.set_event_loop(loop)
+        self._ctx = zmq.asyncio.Context()
+        self._server = SideChannelServer(self._ctx, self.config.host, self.config.port, self._handle, self.faults)
+        self.port = self._server.port
+        self._tasks = [loop.create_task(self._server.serve()), loop.create_task(self._reap_leases()),
+                       loop.create_task(self._send_heartbeats())]
+        self._ready.set()
+        try:
+            loop.run_forever()
+        finally:
+            loop.close()
+
+    async def _shutdown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for address in list(self._clients):
+            self._drop_peer(address)
+        if self._server is not None:
+            self._server.close()
+        if self._ctx is not None:
+            self._ctx.term()
+
+    # -- producer: requests from consumers ----------------------------------------------------------------
+    async def _handle(self, message: Message) -> Message:
+        if isinstance(message, Handshake):
+            return self._handshake(message)
+        if isinstance(message, ReadGrant):
+            await self._await_hold(message.key)
+            refusal = self._authorize("read", message.key, message.token, message.block_ids)
+            return Ack(ok=refusal is None, error=refusal or "")
+        if isinstance(message, ReadDone):
+            self.stats.read_done_received += 1
+            return self._end_lease(message.key, message.token)
+        if isinstance(message, Release):
+            self.stats.releases_received += 1
+            return self._end_lease(message.key, message.token)
+        if isinstance(message, Heartbeat):
+            return self._renew(message.keys)
+        return await self.handle_extra(message)
+
+    async def handle_extra(self, message: Message) -> Message:
+        """Messages of other transfer modes (push, decode-first); connectors extend this."""
+        return Ack(ok=False, error=f"unsupported message {type(message).__name__}")
+
+    def _handshake(self, message: Handshake) -> HandshakeReply:
+        info = {name: plane.local_info() for name, plane in self.config.planes.items()}
+        ok = message.compat_hash == self.config.compat_hash
+        if not ok:
+            self.stats.handshake_refusals += 1
+        return HandshakeReply(ok=ok, engine_id=self.config.engine_id, compat_hash=self.config.compat_hash,
+                              data_plane=",".join(self.config.planes), data_plane_info=info,
+                              error="" if ok else "incompatible instances: model, dtype, KV layout, block size or "
+                                                  "protocol version differ (compatibility hash mismatch)")
+
+    def _authorize(self, op: str, key: str, token: str, block_ids: list[int]) -> str | None:
+        """The capability check every read passes: right transfer, right token, only its own blocks."""
+        if op != "read":
+            return self.authorize_write(key, token, block_ids)
+        with self._lock:
+            lease = self._leases.get(key)
+            if lease is None:
+                return f"no KV is held for transfer {key!r} (unknown, released or expired)"
+            if token != lease.token:
+                return f"wrong transfer token for {key!r}"
+            if not set(block_ids) <= lease.block_ids:
+                return f"blocks outside transfer {key!r} were requested"
+            # A granted read must not lose its blocks mid-copy.
+            lease.expires_at = max(lease.expires_at, time.monotonic() + self.config.lease_s)
+        return None
+
+    async def _await_hold(self, key: str) -> None:
+        """P answers its client a moment before its engine thread registers the hold; a fast consumer may
+        ask in between, so give the hold a short, bounded time to appear."""
+        deadline = time.monotonic() + self.config.hold_wait_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                if key in self._leases or key in self._released:
+                    return
+            await asyncio.sleep(0.001)
+
+    def authorize_write(self, key: str, token: str, block_ids: list[int]) -> str | None:
+        return "writes are not accepted by this instance"
+
+    def _end_lease(self, key: str, token: str) -> Ack:
+        with self._lock:
+            lease = self._leases.get(key)
+            if lease is None:
+                self._early_notices[key] = time.monotonic()
+                return Ack(ok=True)
+            if token and token != lease.token:
+                return Ack(ok=False, error=f"wrong transfer token for {key!r}")
+            del self._leases[key]
+            self._released.add(key)
+        return Ack(ok=True)
+
+    def _renew(self, keys: list[str]) -> Ack:
+        now = time.monotonic()
+        unknown = []
+        with self._lock:
+            for key in keys:
+                lease = self._leases.get(key)
+                if lease is None:
+                    unknown.append(key)
+                else:
+                    lease.expires_at = max(lease.expires_at, now + self.config.lease_s * 2 / 3)
+        return Ack(ok=True, unknown_keys=unknown)
+
+    async def _reap_leases(self) -> None:
+        interval = max(0.02, min(1.0, self.config.lease_s / 20))
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            with self._lock:
+                expired = [k for k, lease in self._leases.items() if lease.expires_at <= now]
+                for key in expired:
+                    del self._leases[key]
+                    self._released.add(key)
+                self.stats.leases_expired += len(expired)
+                stale = [k for k, t in self._early_notices.items() if now - t > _EARLY_NOTICE_TTL_S]
+                for key in stale:
+                    del self._early_notices[key]
+            for key in expired:
+                log.warning("lease of transfer %s expired; its blocks are freed", key)
+
+    # -- consumer ------------------------------------------------------------------------------------------
+    async def peer(self, host: str, port: int, expected_engine_id: str | None) -> _Peer:
+        """A handshaken connection to the producer at host:port, refreshed if its engine id changed."""
+        address = (host, port)
+        lock = self._peer_locks.setdefault(address, asyncio.Lock())
+        async with lock:
+            peer = self._peers.get(address)
+            if peer is not None and expected_engine_id not in (None, peer.engine_id):
+                self._drop_peer(address)  # the producer restarted: never read from its predecessor
+                peer = None
+            if peer is None:
+                peer = await self._handshake_with(host, port)
+                self._peers[address] = peer
+            if expected_engine_id not in (None, peer.engine_id):
+                raise DataPlaneError(f"the instance at {host}:{port} is engine {peer.engine_id}, not "
+                                     f"{expected_engine_id} named by the transfer parameters (it restarted?)")
+            return peer
+
+    def client(self, host: str, port: int) -> SideChannelClient:
+        """The control connection to a peer; messages on it need no handshake (a release must always get through)."""
+        address = (host, port)
+        client = self._clients.get(address)
+        if client is None:
+            client = self._clients[address] = SideChannelClient(self._ctx, host, port, self.faults)
+        return client
+
+    async def _handshake_with(self, host: str, port: int) -> _Peer:
+        reply = await self.client(host, port).request(
+            Handshake(engine_id=self.config.engine_id, compat_hash=self.config.compat_hash),
+            self.config.handshake_timeout_s)
+        if not isinstance(reply, HandshakeReply):
+            raise DataPlaneError(f"unexpected handshake reply from {host}:{port}: {reply}")
+        if not reply.ok or reply.compat_hash != self.config.compat_hash:
+            raise DataPlaneError(reply.error or "compatibility hash mismatch")
+        plane_name = self._choose_plane(reply.data_plane_info)
+        channel = await asyncio.get_running_loop().run_in_executor(
+            self._executor, self.config.planes[plane_name].connect, reply.data_plane_info[plane_name])
+        return _Peer(reply.engine_id, channel, plane_name)
+
+    def _choose_plane(self, offered: dict[str, Any]) -> str:
+        preferred = self.config.preferred_plane
+        if preferred != "auto":
+            if preferred not in offered or preferred not in self.config.planes:
+                raise DataPlaneError(f"the peer does not offer the {preferred} data plane")
+            return preferred
+        same_host = offered.get("shm", {}).get("host_id") == host_identity()
+        if same_host and "shm" in self.config.planes:
+            return "shm"
+        if "tcp" in offered and "tcp" in self.config.planes:
+            return "tcp"
+        raise DataPlaneError("no data plane in common with the peer")
+
+    def _drop_peer(self, address: tuple[str, int]) -> None:
+        """Forget a peer after a failure: the next message reconnects and handshakes afresh."""
+        peer = self._peers.pop(address, None)
+        if peer is not None:
+            peer.channel.close()
+        client = self._clients.pop(address, None)
+        if client is not None:
+            client.close()
+
+    async def _load(self, job: LoadJob) -> None:
+        started = time.monotonic()
+        try:
+            nbytes = await asyncio.wait_for(self._load_steps(job), job.deadline_s)
+        except (DataPlaneError, SideChannelError, OSError, TimeoutError, ConnectionError, InjectedFault) as exc:
+            error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            log.warning("KV load for %s from %s:%d failed: %s", job.request_id, job.host, job.port, error)
+            self.stats.loads_failed += 1
+            result = LoadResult(job.request_id, ok=False, error=error)
+            await self._release(job.host, job.port, job.key, job.token, "load failed")
+            if isinstance(exc, (SideChannelError, ConnectionError, OSError)):
+                self._drop_peer((job.host, job.port))
+        else:
+            seconds = time.monotonic() - started
+            self.stats.loads_ok += 1
+            self.stats.bytes_received += nbytes
+            self.stats.load_seconds_total += seconds
+            result = LoadResult(job.request_id, ok=True, nbytes=nbytes, seconds=seconds)
+        self.unwatch(job.host, job.port, job.key)
+        with self._lock:
+            self._completed.append(result)
+
+    async def _load_steps(self, job: LoadJob) -> int:
+        peer = await self.peer(job.host, job.port, job.engine_id)
+        client = self.client(job.host, job.port)
+        timeout = self.config.message_timeout_s
+        grant = await client.request(ReadGrant(key=job.key, token=job.token, block_ids=list(job.remote_block_ids)),
+                                          timeout)
+        if not isinstance(grant, Ack) or not grant.ok:
+            raise DataPlaneError(getattr(grant, "error", "") or "the producer refused the read")
+        stall = self.faults.before_transfer("read")
+        if stall:
+            await asyncio.sleep(stall)
+        nbytes = await asyncio.get_running_loop().run_in_executor(
+            self._executor, peer.channel.read_blocks, job.key, job.token, list(job.remote_block_ids),
+            list(job.local_block_ids))
+        done = await client.request(ReadDone(key=job.key, token=job.token), timeout)
+        if isinstance(done, Ack) and not done.ok:
+            log.warning("producer did not accept read-done for %s: %s", job.key, done.error)
+        return nbytes
+
+    async def _release(self, host: str, port: int, key: str, token: str, reason: str) -> None:
+        try:
+            await self.client(host, port).request(Release(key=key, token=token, reason=reason),
+                                                  self.config.message_timeout_s)
+        except (SideChannelError, OSError, TimeoutError) as exc:
+            log.warning("could not release %s at %s:%d (%s); its lease will expire", key, host, port, exc)
+
+    async def _send_heartbeats(self) -> None:
+        interval = max(0.05, self.config.lease_s / 6)
+        while True:
+            await asyncio.sleep(interval)
+            with self._lock:
+                targets = {address: sorted(keys) for address, keys in self._heartbeats.items() if keys}
+            for (host, port), keys in targets.items():
+                try:
+                    await self.client(host, port).request(Heartbeat(keys=keys), self.config.message_timeout_s)
+                except (SideChannelError, OSError, TimeoutError) as exc:
+                    log.warning("heartbeat to %s:%d failed: %s", host, port, exc)

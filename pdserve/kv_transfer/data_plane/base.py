@@ -1,0 +1,90 @@
+"""The data plane: how KV block bytes move between instances, behind one interface.
+
+A data plane allocates the instance's KV pool (shared memory needs to own it), describes how peers reach it,
+serves peers where the plane needs a server, and opens channels to peers that read (pull) or write (push) whole
+blocks or single layers of blocks. Authorisation is the caller's: a server asks ``authorize`` before it touches
+a block.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+# (op, key, token, block_ids) -> None if allowed, else the reason it is refused. op is "read" or "write".
+Authorizer = Callable[[str, str, str, list[int]], str | None]
+
+
+class DataPlaneError(RuntimeError):
+    pass
+
+
+class PeerChannel(ABC):
+    @abstractmethod
+    def read_blocks(self, key: str, token: str, remote_ids: list[int], local_ids: list[int]) -> int:
+        """Copy the remote blocks into the local ones; returns bytes moved. Blocking."""
+
+    @abstractmethod
+    def write_blocks(self, key: str, token: str, local_ids: list[int], remote_ids: list[int],
+                     layer: int | None = None) -> int:
+        """Copy local blocks (or one layer of them) into the remote ones; returns bytes moved. Blocking."""
+
+    def close(self) -> None:
+        pass
+
+
+class DataPlane(ABC):
+    name: str = ""
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self.host = host
+        self.kv: torch.Tensor | None = None
+        self.authorize: Authorizer = lambda op, key, token, ids: "no transfer agent attached"
+
+    @abstractmethod
+    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Allocate (zeroed) and keep the local KV pool."""
+
+    def attach(self, kv: torch.Tensor) -> None:
+        """Serve a pool another plane allocated (all planes of an instance share one pool)."""
+        self.kv = kv
+
+    def start(self, authorize: Authorizer) -> None:
+        self.authorize = authorize
+
+    def stop(self) -> None:
+        pass
+
+    @abstractmethod
+    def local_info(self) -> dict[str, Any]:
+        """Coordinates a peer needs to reach this pool; sent in the handshake."""
+
+    @abstractmethod
+    def connect(self, info: dict[str, Any]) -> PeerChannel:
+        """A channel to the peer described by its handshake `info`."""
+
+
+def block_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """Pair up source and destination blocks into (src_start, dst_start, length) runs of consecutive ids."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst, strict=True):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            start_s, start_d, n = runs[-1]
+            runs[-1] = (start_s, start_d, n + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
+def byte_view(kv: torch.Tensor) -> memoryview:
+    """The pool as flat bytes (no copy), for sockets."""
+    return memoryview(kv.view(-1).view(torch.uint8).numpy())
+
+
+def check_block_ids(block_ids: list[int], num_blocks: int) -> None:
+    for b in block_ids:
+        if not 0 <= b < num_blocks:
+            raise DataPlaneError(f"block id {b} outside the pool [0, {num_blocks})")

@@ -1,0 +1,150 @@
+"""Same-host shared memory: the KV pool lives in a memfd, and a peer maps it and copies blocks itself.
+
+The owner's process does no per-block work (one-sided): it only hands the memfd to a peer once, over a Unix
+socket. A memfd has no name in /dev/shm, so when the last process holding it exits (even by SIGKILL) the kernel
+frees it: nothing can leak.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import socket
+import threading
+from typing import Any
+
+import torch
+
+from pdserve.kv_transfer.data_plane.base import DataPlane, DataPlaneError, PeerChannel, block_runs, check_block_ids
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def host_identity() -> str:
+    """Distinguishes machines (and boots): shared memory only works between processes that share it."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "unknown"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def map_pool(fd: int, shape: list[int], dtype: torch.dtype) -> tuple[mmap.mmap, torch.Tensor]:
+    size = os.fstat(fd).st_size
+    mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    tensor = torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(*shape)
+    return mapping, tensor
+
+
+class ShmPeer(PeerChannel):
+    def __init__(self, mapping: mmap.mmap, remote: torch.Tensor, local: torch.Tensor) -> None:
+        self.mapping = mapping
+        self.remote = remote
+        self.local = local
+
+    def read_blocks(self, key: str, token: str, remote_ids: list[int], local_ids: list[int]) -> int:
+        check_block_ids(remote_ids, self.remote.shape[0])
+        for src, dst, n in block_runs(remote_ids, local_ids):
+            self.local[dst:dst + n].copy_(self.remote[src:src + n])
+        return len(remote_ids) * self.local[0].numel() * self.local.element_size()
+
+    def write_blocks(self, key: str, token: str, local_ids: list[int], remote_ids: list[int],
+                     layer: int | None = None) -> int:
+        check_block_ids(remote_ids, self.remote.shape[0])
+        moved = 0
+        for src, dst, n in block_runs(local_ids, remote_ids):
+            if layer is None:
+                self.remote[dst:dst + n].copy_(self.local[src:src + n])
+                moved += n * self.local[0].numel()
+            else:
+                self.remote[dst:dst + n, layer].copy_(self.local[src:src + n, layer])
+                moved += n * self.local[0, layer].numel()
+        return moved * self.local.element_size()
+
+    def close(self) -> None:
+        del self.remote
+        try:
+            self.mapping.close()
+        except BufferError:  # a tensor view is still alive somewhere; the mapping goes with it
+            pass
+
+
+class ShmDataPlane(DataPlane):
+    name = "shm"
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        super().__init__(host)
+        self.fd: int | None = None
+        self.mapping: mmap.mmap | None = None
+        # Abstract-namespace socket: no file to clean up after a crash.
+        self.socket_name = f"pdserve-kv-{os.getpid()}-{secrets.token_hex(6)}"
+        self._listener: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+
+    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        self.fd = os.memfd_create("pdserve-kv", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, nbytes)  # memfd pages start zeroed
+        self.mapping, self.kv = map_pool(self.fd, list(shape), dtype)
+        return self.kv
+
+    def start(self, authorize) -> None:
+        super().start(authorize)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind("\0" + self.socket_name)
+        listener.listen(64)
+        listener.settimeout(0.2)
+        self._listener = listener
+        self._thread = threading.Thread(target=self._serve_fd, name="pdserve-shm-fd", daemon=True)
+        self._thread.start()
+
+    def _serve_fd(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with conn:
+                try:
+                    socket.send_fds(conn, [b"kv"], [self.fd])
+                except OSError:
+                    pass
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._listener is not None:
+            self._listener.close()
+        if self._thread is not None:
+            self._thread.join(2)
+
+    def local_info(self) -> dict[str, Any]:
+        assert self.kv is not None
+        return {"socket": self.socket_name, "host_id": host_identity(), "shape": list(self.kv.shape),
+                "dtype": str(self.kv.dtype).removeprefix("torch.")}
+
+    def connect(self, info: dict[str, Any]) -> PeerChannel:
+        if info.get("host_id") != host_identity():
+            raise DataPlaneError("the shm data plane needs both instances on one host; use the tcp data plane")
+        if self.kv is None:
+            raise DataPlaneError("the local KV pool is not allocated")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(5)
+            try:
+                conn.connect("\0" + info["socket"])
+                _, fds, _, _ = socket.recv_fds(conn, 16, 1)
+            except OSError as exc:
+                raise DataPlaneError(f"cannot reach the peer's shared memory: {exc}") from exc
+        if not fds:
+            raise DataPlaneError("the peer sent no memory handle")
+        try:
+            mapping, remote = map_pool(fds[0], info["shape"], _DTYPES[info["dtype"]])
+        finally:
+            os.close(fds[0])  # the mapping keeps the memory alive
+        if remote[0].shape != self.kv[0].shape or remote.dtype != self.kv.dtype:
+            raise DataPlaneError("the peer's KV block layout differs from ours")
+        return ShmPeer(mapping, remote, self.kv)

@@ -1,0 +1,240 @@
+"""TCP between any two hosts: the pool owner serves block reads (and accepts layer writes) over a socket.
+
+One request moves every block of a transfer: a small msgpack header, then the raw bytes streamed straight
+from (or into) the KV pool's memory with ``sendall`` / ``recv_into``, so there is no round trip per block and
+no staging copy. Connections are kept and reused.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+from typing import Any
+
+import msgspec
+import torch
+
+from pdserve.kv_transfer.data_plane.base import (DataPlane, DataPlaneError, PeerChannel, block_runs, byte_view,
+                                                 check_block_ids)
+
+_LEN = struct.Struct("!I")
+_MAX_HEADER = 1 << 20
+SOCKET_TIMEOUT_S = 30.0
+
+
+def send_frame(sock: socket.socket, obj: dict[str, Any]) -> None:
+    data = msgspec.msgpack.encode(obj)
+    sock.sendall(_LEN.pack(len(data)) + data)
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> None:
+    while view:
+        n = sock.recv_into(view)
+        if n == 0:
+            raise ConnectionError("peer closed the connection")
+        view = view[n:]
+
+
+def recv_frame(sock: socket.socket) -> dict[str, Any]:
+    head = bytearray(_LEN.size)
+    recv_exact(sock, memoryview(head))
+    (length,) = _LEN.unpack(head)
+    if length > _MAX_HEADER:
+        raise DataPlaneError(f"header of {length} bytes is too large")
+    body = bytearray(length)
+    recv_exact(sock, memoryview(body))
+    frame = msgspec.msgpack.decode(bytes(body))
+    if not isinstance(frame, dict):
+        raise DataPlaneError("malformed frame")
+    return frame
+
+
+class _Pool:
+    """Byte-level access to blocks (and single layers of blocks) of a KV pool."""
+
+    def __init__(self, kv: torch.Tensor) -> None:
+        self.bytes = byte_view(kv)
+        self.num_blocks = kv.shape[0]
+        self.num_layers = kv.shape[1]
+        self.block_bytes = kv[0].numel() * kv.element_size()
+        self.layer_bytes = self.block_bytes // self.num_layers
+
+    def spans(self, block_ids: list[int], layer: int | None) -> list[memoryview]:
+        check_block_ids(block_ids, self.num_blocks)
+        if layer is None:
+            views = []
+            for start, _, n in block_runs(block_ids, block_ids):
+                views.append(self.bytes[start * self.block_bytes:(start + n) * self.block_bytes])
+            return views
+        if not 0 <= layer < self.num_layers:
+            raise DataPlaneError(f"layer {layer} outside [0, {self.num_layers})")
+        offset = layer * self.layer_bytes
+        return [self.bytes[b * self.block_bytes + offset:b * self.block_bytes + offset + self.layer_bytes]
+                for b in block_ids]
+
+    def size(self, block_ids: list[int], layer: int | None) -> int:
+        return len(block_ids) * (self.block_bytes if layer is None else self.layer_bytes)
+
+
+class TcpPeer(PeerChannel):
+    def __init__(self, host: str, port: int, local: torch.Tensor) -> None:
+        self.address = (host, port)
+        self.local = _Pool(local)
+        self._idle: list[socket.socket] = []
+        self._lock = threading.Lock()
+
+    def _take(self) -> socket.socket:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        sock = socket.create_connection(self.address, timeout=SOCKET_TIMEOUT_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    def _give_back(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._idle.append(sock)
+
+    def _exchange(self, header: dict[str, Any], send: list[memoryview], receive: list[memoryview]) -> dict[str, Any]:
+        sock = self._take()
+        try:
+            send_frame(sock, header)
+            for view in send:
+                sock.sendall(view)
+            reply = recv_frame(sock)
+            if not reply.get("ok"):
+                raise DataPlaneError(str(reply.get("error", "refused by the peer")))
+            for view in receive:
+                recv_exact(sock, view)
+        except BaseException:
+            sock.close()
+            raise
+        self._give_back(sock)
+        return reply
+
+    def read_blocks(self, key: str, token: str, remote_ids: list[int], local_ids: list[int]) -> int:
+        targets = self.local.spans(local_ids, None) if _is_one_run(local_ids) else None
+        if targets is None:  # destinations follow the order of remote_ids block by block
+            targets = [v for b in local_ids for v in self.local.spans([b], None)]
+        self._exchange({"op": "read", "key": key, "token": token, "block_ids": list(remote_ids)}, [], targets)
+        return self.local.size(local_ids, None)
+
+    def write_blocks(self, key: str, token: str, local_ids: list[int], remote_ids: list[int],
+                     layer: int | None = None) -> int:
+        sources = [v for b in local_ids for v in self.local.spans([b], layer)]
+        nbytes = self.local.size(local_ids, layer)
+        self._exchange({"op": "write", "key": key, "token": token, "block_ids": list(remote_ids), "layer": layer,
+                        "nbytes": nbytes}, sources, [])
+        return nbytes
+
+    def close(self) -> None:
+        with self._lock:
+            for sock in self._idle:
+                sock.close()
+            self._idle.clear()
+
+
+def _is_one_run(local_ids: list[int]) -> bool:
+    """True when the local blocks are consecutive, so one contiguous span can receive everything."""
+    return all(b == local_ids[0] + i for i, b in enumerate(local_ids))
+
+
+class TcpDataPlane(DataPlane):
+    name = "tcp"
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        super().__init__(host)
+        self.requested_port = port
+        self.port = 0
+        self._listener: socket.socket | None = None
+        self._pool: _Pool | None = None
+        self._stopping = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        self.attach(torch.zeros(shape, dtype=dtype))
+        return self.kv
+
+    def attach(self, kv: torch.Tensor) -> None:
+        super().attach(kv)
+        self._pool = _Pool(kv)
+
+    def start(self, authorize) -> None:
+        super().start(authorize)
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((self.host, self.requested_port))
+        listener.listen(128)
+        listener.settimeout(0.2)
+        self._listener = listener
+        self.port = listener.getsockname()[1]
+        thread = threading.Thread(target=self._accept_loop, name="pdserve-tcp-accept", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def _accept_loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._serve, args=(conn,), name="pdserve-tcp-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        conn.settimeout(None)
+        with conn:
+            while not self._stopping.is_set():
+                try:
+                    request = recv_frame(conn)
+                except (OSError, ConnectionError, DataPlaneError, msgspec.DecodeError):
+                    return
+                if not self._answer(conn, request):
+                    return
+
+    def _answer(self, conn: socket.socket, request: dict[str, Any]) -> bool:
+        """Serve one request; False closes the connection (the stream can no longer be trusted)."""
+        op = request.get("op")
+        block_ids = request.get("block_ids")
+        layer = request.get("layer")
+        if op not in ("read", "write") or not isinstance(block_ids, list):
+            send_frame(conn, {"ok": False, "error": "malformed request"})
+            return False
+        refusal = self.authorize(op, str(request.get("key", "")), str(request.get("token", "")), block_ids)
+        try:
+            spans = self._pool.spans(block_ids, layer) if refusal is None else []
+        except DataPlaneError as exc:
+            refusal = str(exc)
+        if op == "write" and refusal is None and request.get("nbytes") != self._pool.size(block_ids, layer):
+            refusal = "write size does not match the blocks named"
+        if refusal is not None:
+            send_frame(conn, {"ok": False, "error": refusal})
+            return op == "read"  # a refused write leaves unread bytes on the wire
+        try:
+            if op == "read":
+                send_frame(conn, {"ok": True, "nbytes": self._pool.size(block_ids, layer)})
+                for view in spans:
+                    conn.sendall(view)
+            else:
+                for view in spans:
+                    recv_exact(conn, view)
+                send_frame(conn, {"ok": True})
+        except (OSError, ConnectionError):
+            return False
+        return True
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._listener is not None:
+            self._listener.close()
+
+    def local_info(self) -> dict[str, Any]:
+        return {"host": self.host, "port": self.port}
+
+    def connect(self, info: dict[str, Any]) -> PeerChannel:
+        if self.kv is None:
+            raise DataPlaneError("the local KV pool is not allocated")
+        return TcpPeer(str(info["host"]), int(info["port"]), self.kv)

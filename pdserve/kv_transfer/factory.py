@@ -1,0 +1,169 @@
+"""Building an instance's KV connectors from its config: the registry of connectors lives here.
+
+A bundle ties together what one instance needs for transfers: the connector's scheduler and worker halves, the
+data planes (which also own the KV pool's memory) and the transfer agent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.ids import new_engine_id
+from pdserve.kv_transfer.agent import AgentConfig, TransferAgent
+from pdserve.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker
+from pdserve.kv_transfer.data_plane import DataPlane, make_data_plane
+from pdserve.kv_transfer.faults import resolve_fault_config
+from pdserve.kv_transfer.messages import PROTOCOL_VERSION
+from pdserve.kv_transfer.params import KVParamsError, RemotePrefill, parse_kv_params
+from pdserve.kv_transfer.pd_connector import PdConnectorScheduler, PdConnectorWorker, ProducerIdentity
+from pdserve.models.config import read_config_json, text_config_of
+from pdserve.models.loader import checkpoint_files
+
+log = logging.getLogger(__name__)
+
+KV_LAYOUT = "blocks,layers,kv,heads,block_size,head_dim"
+DEFAULT_CONNECTOR = "PdConnector"
+
+
+class KVParamsRejected(ValueError):
+    """Raised for kv_transfer_params the server must refuse with a 400."""
+
+
+@dataclass
+class ConnectorBundle:
+    scheduler: KVConnectorScheduler
+    worker: KVConnectorWorker
+    agent: TransferAgent
+    planes: dict[str, DataPlane]
+    engine_id: str
+    max_blocks: int
+    pool_owner: str
+
+    def kv_allocator(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        kv = self.planes[self.pool_owner].allocate(shape, dtype)
+        for name, plane in self.planes.items():
+            if name != self.pool_owner:
+                plane.attach(kv)
+        return kv
+
+    async def start(self, async_engine: Any, advertised_host: str) -> None:
+        self.agent.start()
+        if isinstance(self.scheduler, PdConnectorScheduler):
+            self.scheduler.identity = ProducerIdentity(self.engine_id, self.agent.config.host, self.agent.port)
+
+    async def stop(self) -> None:
+        self.agent.stop()
+
+    def check_request_params(self, params: dict[str, Any] | None, num_sequences: int) -> dict[str, Any] | None:
+        try:
+            parsed = parse_kv_params(params, self.max_blocks)
+        except KVParamsError as exc:
+            raise KVParamsRejected(str(exc)) from exc
+        if parsed is not None and num_sequences > 1:
+            self.reject(params, "n > 1 or batched prompts")
+            raise KVParamsRejected("kv_transfer_params need a single prompt with n = 1")
+        return params
+
+    def reject(self, params: dict[str, Any] | None, reason: str) -> None:
+        """A request with remote KV was refused before admission: tell P to free its blocks now."""
+        try:
+            parsed = parse_kv_params(params, self.max_blocks)
+        except KVParamsError:
+            return
+        if isinstance(parsed, RemotePrefill) and parsed.remote_key is not None:
+            self.agent.send_release(parsed.host, parsed.port, parsed.remote_key, parsed.token or "",
+                                    f"rejected before admission: {reason}")
+
+    def metrics(self) -> dict[str, float]:
+        s = self.agent.stats
+        return {
+            "counter pdserve:kv_transfer_bytes_received": s.bytes_received,
+            "counter pdserve:kv_transfer_loads_ok": s.loads_ok,
+            "counter pdserve:kv_transfer_loads_failed": s.loads_failed,
+            "counter pdserve:kv_transfer_load_seconds": s.load_seconds_total,
+            "counter pdserve:kv_lease_expired_requests": s.leases_expired,
+            "counter pdserve:kv_releases_received": s.releases_received,
+            "counter pdserve:kv_read_done_received": s.read_done_received,
+            "counter pdserve:kv_handshake_refusals": s.handshake_refusals,
+            "gauge pdserve:kv_leases_held": self.agent.num_leases(),
+        }
+
+    def ready_fields(self) -> dict[str, Any]:
+        fields: dict[str, Any] = {"engine_id": self.engine_id, "side_channel_port": self.agent.port}
+        for name, plane in self.planes.items():
+            fields[f"{name}_data_plane"] = plane.local_info()
+        return fields
+
+
+def compatibility_hash(config: EngineConfig, dtype: torch.dtype) -> str:
+    """Instances may exchange KV only if this matches: model, dtype, KV layout, block size, protocol version."""
+    text = text_config_of(read_config_json(config.model))
+    identity = {
+        "protocol": PROTOCOL_VERSION, "layout": KV_LAYOUT, "block_size": config.block_size,
+        "dtype": str(dtype), "layers": text.num_layers, "kv_heads": text.num_kv_heads, "head_dim": text.head_dim,
+        "hidden": text.hidden_size, "vocab": text.vocab_size, "weights": weight_fingerprint(config.model),
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+
+
+def weight_fingerprint(model_dir: Path) -> str:
+    """Cheap but telling: each shard's header plus a few samples of its bytes (copies of a model agree)."""
+    h = hashlib.sha256()
+    for path in checkpoint_files(model_dir):
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            h.update(f.read(1 << 16))
+            for i in range(1, 16):
+                f.seek(size * i // 16)
+                h.update(f.read(4096))
+    return h.hexdigest()
+
+
+Builder = Callable[[EngineConfig], ConnectorBundle]
+
+
+def build_pd_connector(config: EngineConfig) -> ConnectorBundle:
+    kv_cfg = config.kv_transfer_config
+    extra = dict(kv_cfg.get("kv_connector_extra_config") or {})
+    host = str(extra.get("side_channel_host", kv_cfg.get("kv_ip", "127.0.0.1")))
+    from pdserve.engine.llm_engine import checkpoint_dtype
+
+    dtype = config.torch_dtype(checkpoint_dtype(read_config_json(config.model)))
+    engine_id = str(kv_cfg.get("engine_id") or new_engine_id())
+    preferred = str(extra.get("data_plane", "auto"))
+    plane_names = ["shm", "tcp"] if preferred in ("auto", "shm") else [preferred]
+    planes = {name: make_data_plane(name, host) for name in plane_names}
+    agent = TransferAgent(AgentConfig(
+        engine_id=engine_id, compat_hash=compatibility_hash(config, dtype), host=host,
+        port=int(extra.get("side_channel_port", kv_cfg.get("kv_port", 0))),
+        lease_s=float(extra.get("kv_lease_duration", 30.0)),
+        load_timeout_s=float(extra.get("kv_load_timeout", 60.0)),
+        preferred_plane=preferred, planes=planes, faults=resolve_fault_config(extra)))
+    max_model_len = config.resolve_max_model_len(text_config_of(read_config_json(config.model)).max_position_embeddings)
+    max_blocks = -(-max_model_len // config.block_size)
+    scheduler = PdConnectorScheduler(config.block_size, max_blocks, load_timeout_s=agent.config.load_timeout_s)
+    return ConnectorBundle(scheduler=scheduler, worker=PdConnectorWorker(agent), agent=agent, planes=planes,
+                           engine_id=engine_id, max_blocks=max_blocks, pool_owner=plane_names[0])
+
+
+KV_CONNECTORS: dict[str, Builder] = {"PdConnector": build_pd_connector}
+
+
+def build_connectors(config: EngineConfig) -> ConnectorBundle | None:
+    """The connector bundle for this instance, or None for plain colocated serving."""
+    if not config.kv_transfer_config and config.role == "both":
+        return None
+    name = config.kv_transfer_config.get("kv_connector") or DEFAULT_CONNECTOR
+    builder = KV_CONNECTORS.get(name)
+    if builder is None:
+        raise ValueError(f"unknown kv_connector {name!r}; available: {', '.join(sorted(KV_CONNECTORS))}")
+    return builder(config)

@@ -1,0 +1,121 @@
+"""Side-channel messages: typed, tagged and versioned (msgpack over ZMQ).
+
+Everything that crosses instances is keyed by a transfer key: P's own request id in vLLM-compatible pull mode
+(returned to the client as ``remote_request_id``), or the gateway's ``transfer_id`` in push mode. Each held
+transfer also carries a random token, a capability that must accompany every read, write or release.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class Message(msgspec.Struct, tag_field="type", tag=True, kw_only=True):
+    version: int = PROTOCOL_VERSION
+
+
+class Handshake(Message, tag="handshake"):
+    engine_id: str
+    compat_hash: str
+
+
+class HandshakeReply(Message, tag="handshake_reply"):
+    ok: bool
+    engine_id: str
+    compat_hash: str = ""
+    data_plane: str = ""
+    data_plane_info: dict[str, Any] = {}
+    error: str = ""
+
+
+class ReadGrant(Message, tag="read_grant"):
+    """D asks P to confirm (and pin) the blocks it is about to read for one transfer."""
+
+    key: str
+    token: str
+    block_ids: list[int]
+
+
+class ReadDone(Message, tag="read_done"):
+    key: str
+    token: str
+
+
+class Release(Message, tag="release"):
+    """Free a transfer's blocks now (the consumer aborted, rejected the request, or gave up)."""
+
+    key: str
+    token: str = ""
+    reason: str = ""
+
+
+class Heartbeat(Message, tag="heartbeat"):
+    keys: list[str]
+
+
+class Ack(Message, tag="ack"):
+    ok: bool = True
+    error: str = ""
+    unknown_keys: list[str] = []
+
+
+class PushRegister(Message, tag="push_register"):
+    """Push mode: D's blocks for a transfer, so P can write each layer into them as it is computed."""
+
+    transfer_id: str
+    block_ids: list[int]
+    num_tokens: int
+    consumer_engine_id: str
+    consumer_host: str
+    consumer_port: int
+    token: str
+
+
+class WriteDone(Message, tag="write_done"):
+    transfer_id: str
+    token: str
+    ok: bool = True
+    error: str = ""
+
+
+class PrefillRequest(Message, tag="prefill_request"):
+    """Decode-first mode: D asks P to prefill a prompt and hold its KV for D to pull."""
+
+    transfer_id: str
+    prompt_token_ids: list[int]
+    request_id: str
+
+
+class PrefillReply(Message, tag="prefill_reply"):
+    ok: bool
+    kv_transfer_params: dict[str, Any] = {}
+    error: str = ""
+
+
+AnyMessage = (Handshake | HandshakeReply | ReadGrant | ReadDone | Release | Heartbeat | Ack | PushRegister | WriteDone
+              | PrefillRequest | PrefillReply)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(AnyMessage)
+
+
+class ProtocolError(ValueError):
+    pass
+
+
+def encode(message: Message) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode(data: bytes) -> Message:
+    try:
+        message = _decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"undecodable side-channel message: {exc}") from exc
+    if message.version != PROTOCOL_VERSION:
+        raise ProtocolError(f"side-channel protocol version {message.version}, expected {PROTOCOL_VERSION}")
+    return message

@@ -1,0 +1,231 @@
+"""PdConnector: prefill→decode KV transfer in vLLM NIXL's pull shape (push and decode-first build on it).
+
+Scheduler half: decides which tokens are remote, which blocks to hold for whom, and what to tell the client.
+Worker half: turns each step's plan into agent work (holds, loads, releases, heartbeats) and reports what
+finished. The two halves share nothing but ``PdConnectorMetadata``.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.engine.kv_cache_manager import cdiv
+from pdserve.engine.outputs import KVConnectorOutput, SchedulerOutput
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.ids import ReqId
+from pdserve.kv_transfer.agent import LoadJob, TransferAgent
+from pdserve.kv_transfer.base import KVConnectorMetadata, KVConnectorScheduler, KVConnectorWorker
+from pdserve.kv_transfer.params import KVParamsError, RemoteDecode, RemotePrefill, parse_kv_params
+
+log = logging.getLogger(__name__)
+
+# P finished its one token and hands the prompt's KV over (vLLM also accepts a stop on that token).
+_HANDOFF_STATUSES = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+
+
+@dataclass(frozen=True, slots=True)
+class HoldSpec:
+    key: str
+    token: str
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseSpec:
+    host: str
+    port: int
+    key: str
+    token: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class WatchSpec:
+    host: str
+    port: int
+    key: str
+
+
+@dataclass(slots=True)
+class PdConnectorMetadata(KVConnectorMetadata):
+    holds: list[HoldSpec] = field(default_factory=list)
+    loads: list[LoadJob] = field(default_factory=list)
+    releases: list[ReleaseSpec] = field(default_factory=list)
+    watch: list[WatchSpec] = field(default_factory=list)
+    unwatch: list[WatchSpec] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class ProducerIdentity:
+    """What a producer puts in its answer so a consumer can find it."""
+
+    engine_id: str
+    host: str
+    port: int  # side-channel port, known once the agent has bound it
+
+
+class PdConnectorScheduler(KVConnectorScheduler):
+    def __init__(self, block_size: int, max_blocks: int, load_timeout_s: float = 60.0) -> None:
+        self.block_size = block_size
+        self.max_blocks = max_blocks
+        self.load_timeout_s = load_timeout_s
+        self.identity: ProducerIdentity | None = None
+        self._parsed: dict[ReqId, RemoteDecode | RemotePrefill] = {}
+        self._pending: PdConnectorMetadata = PdConnectorMetadata()
+        self._allocated: set[ReqId] = set()  # consumer requests whose load was planned
+        self._loading: set[ReqId] = set()  # loads handed to the worker and not finished
+        self._errors: dict[ReqId, str] = {}
+
+    # -- admission ------------------------------------------------------------------------------------------
+    def on_new_request(self, request: Request) -> None:
+        try:
+            parsed = parse_kv_params(request.kv_transfer_params, self.max_blocks)
+        except KVParamsError as exc:
+            self._errors[request.request_id] = str(exc)
+            return
+        if parsed is None:
+            return
+        self._parsed[request.request_id] = parsed
+        if isinstance(parsed, RemotePrefill) and parsed.mode == "pull":
+            self._pending.watch.append(WatchSpec(parsed.host, parsed.port, parsed.remote_key))
+
+    def take_request_errors(self) -> dict[ReqId, str]:
+        errors, self._errors = self._errors, {}
+        return errors
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        parsed = self._parsed.get(request.request_id)
+        if not isinstance(parsed, RemotePrefill) or request.request_id in self._allocated:
+            return 0, False
+        if parsed.block_ids is not None and len(parsed.block_ids) < cdiv(request.num_prompt_tokens, self.block_size):
+            self._errors[request.request_id] = (
+                f"the remote KV covers {len(parsed.block_ids)} blocks but the prompt needs "
+                f"{cdiv(request.num_prompt_tokens, self.block_size)}: P and D saw different prompts")
+            return None, False
+        remaining = request.num_prompt_tokens - num_computed_tokens
+        return (remaining, True) if remaining > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        parsed = self._parsed.get(request.request_id)
+        if not isinstance(parsed, RemotePrefill) or request.request_id in self._allocated:
+            return
+        self._allocated.add(request.request_id)
+        if num_external_tokens == 0:
+            # Everything was found locally: P only needs to hear that it can free its copy.
+            self._release(parsed, "prompt fully cached on the decode instance")
+            return
+        first = (request.num_prompt_tokens - num_external_tokens) // self.block_size
+        remote = parsed.block_ids[first:cdiv(request.num_prompt_tokens, self.block_size)]
+        self._pending.loads.append(LoadJob(
+            request_id=request.request_id, host=parsed.host, port=parsed.port, engine_id=parsed.engine_id,
+            key=parsed.remote_key, token=parsed.token or "", remote_block_ids=tuple(remote),
+            local_block_ids=tuple(block_ids[first:first + len(remote)]), deadline_s=self.load_timeout_s))
+        cached = (request.kv_transfer_params or {}).get("remote_prefill_cached_tokens")
+        if isinstance(cached, int):
+            # Report P's own prefix-cache hits, not D's near-total "hit" on transferred blocks (as vLLM does).
+            request.num_cached_tokens = cached
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PdConnectorMetadata:
+        meta, self._pending = self._pending, PdConnectorMetadata()
+        self._loading.update(job.request_id for job in meta.loads)
+        return meta
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        self._loading.difference_update(output.finished_recving)
+
+    def has_pending_work(self) -> bool:
+        p = self._pending
+        return bool(self._loading or p.holds or p.loads or p.releases or p.watch or p.unwatch)
+
+    # -- endings --------------------------------------------------------------------------------------------
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        parsed = self._parsed.pop(rid, None)
+        was_planned = rid in self._allocated
+        self._allocated.discard(rid)
+        if isinstance(parsed, RemoteDecode):
+            return self._hand_off(request, block_ids, parsed)
+        if not isinstance(parsed, RemotePrefill) or parsed.mode != "pull":
+            return False, None
+        self._pending.unwatch.append(WatchSpec(parsed.host, parsed.port, parsed.remote_key))
+        if rid in self._loading:
+            # Ended mid-read: P may free at once, but our blocks wait until the read is over.
+            self._release(parsed, "decode request ended while loading")
+            return True, None
+        unsent = [job for job in self._pending.loads if job.request_id == rid]
+        if unsent:
+            # The load was planned but not handed over: drop it, or it would write into freed blocks.
+            self._pending.loads = [job for job in self._pending.loads if job.request_id != rid]
+        if unsent or not was_planned:
+            self._release(parsed, "decode request ended before its KV was loaded")
+        return False, None
+
+    def _hand_off(self, request: Request, block_ids: list[int], parsed: RemoteDecode
+                  ) -> tuple[bool, dict[str, Any] | None]:
+        if request.status not in _HANDOFF_STATUSES or not block_ids or self.identity is None:
+            return False, None
+        num_blocks = cdiv(request.num_prompt_tokens, self.block_size)
+        held = tuple(block_ids[:num_blocks])
+        token = secrets.token_hex(16)
+        self._pending.holds.append(HoldSpec(request.request_id, token, held))
+        params = {
+            "do_remote_prefill": True, "do_remote_decode": False,
+            "remote_block_ids": [list(held)], "remote_engine_id": self.identity.engine_id,
+            "remote_request_id": request.request_id, "remote_host": self.identity.host,
+            "remote_port": self.identity.port, "tp_size": 1, "transfer_token": token,
+            "remote_num_tokens": request.num_prompt_tokens, "transfer_mode": "pull",
+            "remote_prefill_cached_tokens": max(request.num_cached_tokens, 0),
+        }
+        if parsed.transfer_id is not None:
+            params["transfer_id"] = parsed.transfer_id
+        return True, params
+
+    def _release(self, parsed: RemotePrefill, reason: str) -> None:
+        if parsed.remote_key is not None:
+            self._pending.releases.append(ReleaseSpec(parsed.host, parsed.port, parsed.remote_key, parsed.token or "",
+                                                      reason))
+
+
+class PdConnectorWorker(KVConnectorWorker):
+    def __init__(self, agent: TransferAgent) -> None:
+        self.agent = agent
+        self._meta: PdConnectorMetadata | None = None
+        self._failed: set[ReqId] = set()
+
+    def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
+        assert isinstance(metadata, PdConnectorMetadata)
+        self._meta = metadata
+
+    def clear_connector_metadata(self) -> None:
+        self._meta = None
+
+    def start_load_kv(self) -> None:
+        meta = self._meta
+        if meta is None:
+            return
+        for w in meta.watch:
+            self.agent.watch(w.host, w.port, w.key)
+        for w in meta.unwatch:
+            self.agent.unwatch(w.host, w.port, w.key)
+        for hold in meta.holds:
+            self.agent.hold(hold.key, hold.token, list(hold.block_ids))
+        for job in meta.loads:
+            self.agent.submit_load(job)
+        for r in meta.releases:
+            self.agent.send_release(r.host, r.port, r.key, r.token, r.reason)
+
+    def get_finished(self, finished_req_ids: set[ReqId]) -> tuple[set[ReqId], set[ReqId]]:
+        sending = {ReqId(key) for key in self.agent.take_released()}
+        recving: set[ReqId] = set()
+        for result in self.agent.take_completed():
+            recving.add(result.request_id)
+            if not result.ok:
+                self._failed.add(result.request_id)
+        return sending, recving
+
+    def get_failed_recving(self) -> set[ReqId]:
+        failed, self._failed = self._failed, set()
+        return failed

@@ -1,0 +1,136 @@
+"""Starting pdserve processes (instances, gateways) and stopping them by PID, for tests, demos and benchmarks.
+
+Every process binds 127.0.0.1 on an ephemeral port and announces itself with one JSON line on stdout; waiting for
+that line has a deadline, and stopping escalates from SIGTERM to SIGKILL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+@dataclass
+class Process:
+    name: str
+    popen: subprocess.Popen
+    ready: dict[str, Any]
+    log_path: Path
+    _stopped: bool = field(default=False, repr=False)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def port(self) -> int:
+        return int(self.ready["port"])
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would."""
+        if self.alive():
+            os.kill(self.pid, signal.SIGKILL)
+            self.popen.wait(10)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        if self.alive():
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(10)
+        if self.popen.stdout is not None:
+            self.popen.stdout.close()
+        try:
+            self.log_path.unlink()
+        except OSError:
+            pass
+
+
+def start(name: str, args: list[str], timeout: float = 120.0, env: dict[str, str] | None = None) -> Process:
+    """Run `python -m pdserve ARGS` (which must announce readiness) and wait for its ready line."""
+    fd, log_name = tempfile.mkstemp(prefix=f"pdserve-{name}-", suffix=".log")
+    os.close(fd)
+    log_path = Path(log_name)
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    with log_path.open("wb") as log_file:
+        popen = subprocess.Popen([sys.executable, "-m", "pdserve", *args], stdout=subprocess.PIPE, stderr=log_file,
+                                 env=full_env, start_new_session=True)
+    proc = Process(name, popen, {}, log_path)
+    try:
+        proc.ready = _wait_ready(popen, timeout)
+    except BaseException:
+        tail = proc.log_tail()
+        proc.stop()
+        raise LaunchError(f"{name} did not become ready: {tail}") from None
+    threading.Thread(target=_drain, args=(popen, log_path), daemon=True).start()
+    return proc
+
+
+def _drain(popen: subprocess.Popen, log_path: Path) -> None:
+    """Keep reading the child's stdout after its ready line, so a full pipe can never block it."""
+    try:
+        with log_path.open("ab") as log_file:
+            for line in popen.stdout:
+                log_file.write(line)
+    except (OSError, ValueError):
+        pass
+
+
+def _wait_ready(popen: subprocess.Popen, timeout: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    assert popen.stdout is not None
+    buffer = b""
+    while time.monotonic() < deadline:
+        if popen.poll() is not None:
+            raise LaunchError(f"exited with code {popen.returncode}")
+        readable, _, _ = select.select([popen.stdout], [], [], 0.1)
+        if not readable:
+            continue
+        chunk = os.read(popen.stdout.fileno(), 65536)
+        buffer += chunk
+        while b"\n" in buffer:
+            line, buffer = buffer.split(b"\n", 1)
+            try:
+                message = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(message, dict) and message.get("event") == "ready":
+                return message
+    raise LaunchError(f"no ready line within {timeout} s")
+
+
+def start_instance(model: Path | str, *extra: str, name: str = "instance", timeout: float = 120.0,
+                   env: dict[str, str] | None = None) -> Process:
+    return start(name, ["serve", str(model), "--host", "127.0.0.1", "--port", "0", *extra], timeout, env)

@@ -1,0 +1,101 @@
+"""Paged attention on plain torch ops.
+
+The KV cache is one tensor ``[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]``: a block's KV for
+every layer is one contiguous chunk, so a transfer moves a block with one copy, while a layer's K (or V) is a
+strided view ``[num_blocks, num_kv_heads, block_size, head_dim]`` that attention gathers from.
+
+A step's flat batch puts decode tokens (one per request) first, then prefill chunks. Decodes are attended in one
+batched matmul over a padded block table; each prefill chunk goes through SDPA with its cached context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    start: int  # first row of this chunk in the flat batch
+    end: int
+    num_context_tokens: int  # tokens of this request already in the cache before this chunk
+    block_ids: torch.Tensor  # blocks covering context + chunk, in order
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_block: torch.Tensor  # [num_tokens] block id each new token's KV is written to
+    slot_offset: torch.Tensor  # [num_tokens] offset inside that block
+    num_decode_tokens: int = 0
+    decode_block_table: torch.Tensor | None = None  # [num_decodes, max_blocks], padded with block 0
+    decode_bias: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]: 0 or -inf
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+    """layer_cache: [num_blocks, 2, kv_heads, block_size, head_dim] view of one layer."""
+    layer_cache[meta.slot_block, 0, :, meta.slot_offset, :] = k
+    layer_cache[meta.slot_block, 1, :, meta.slot_offset, :] = v
+
+
+def gather_context(layer_cache: torch.Tensor, block_ids: torch.Tensor, length: int,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one sequence as [kv_heads, length, head_dim]."""
+    blocks = layer_cache.index_select(0, block_ids)  # [n, 2, kv_heads, block_size, head_dim]
+    n, _, kv_heads, block_size, head_dim = blocks.shape
+    kv = blocks.permute(1, 2, 0, 3, 4).reshape(2, kv_heads, n * block_size, head_dim)[:, :, :length]
+    kv = kv.to(dtype)
+    return kv[0], kv[1]
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim]. Returns [tokens, heads, head_dim]."""
+    write_kv(layer_cache, k, v, meta)
+    out = torch.empty_like(q)
+    nd = meta.num_decode_tokens
+    if nd:
+        out[:nd] = _decode_attention(q[:nd], layer_cache, meta, scale)
+    for chunk in meta.prefills:
+        out[chunk.start:chunk.end] = _prefill_attention(q, k, v, layer_cache, chunk, scale)
+    return out
+
+
+def _decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    nd, heads, head_dim = q.shape
+    table = meta.decode_block_table
+    assert table is not None and meta.decode_bias is not None
+    blocks = layer_cache.index_select(0, table.reshape(-1))  # [nd * max_blocks, 2, kv_heads, bs, hd]
+    _, _, kv_heads, block_size, _ = blocks.shape
+    max_blocks = table.shape[1]
+    # One copy both lays the context out contiguously per head and upcasts: attention math runs in fp32
+    # because torch's bf16 kernels at q_len 1 are slow and less accurate.
+    kv = blocks.view(nd, max_blocks, 2, kv_heads, block_size, head_dim).permute(2, 0, 3, 1, 4, 5)
+    kv = kv.to(torch.float32).reshape(2, nd, kv_heads, max_blocks * block_size, head_dim)
+    keys, values = kv[0], kv[1]
+    group = heads // kv_heads
+    qg = q.to(torch.float32).view(nd, kv_heads, group, head_dim)
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(scale).add_(meta.decode_bias)
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, values).reshape(nd, heads, head_dim).to(q.dtype)
+
+
+def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
+                       chunk: PrefillChunk, scale: float) -> torch.Tensor:
+    qc = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)  # [1, heads, T, hd]
+    num_new = chunk.end - chunk.start
+    if chunk.num_context_tokens == 0:
+        kc = k[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
+        vc = v[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
+        out = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        total = chunk.num_context_tokens + num_new
+        keys, values = gather_context(layer_cache, chunk.block_ids, total, q.dtype)
+        # Query i sits at absolute position context + i and may see keys up to and including that position.
+        query_pos = torch.arange(chunk.num_context_tokens, total).unsqueeze(1)
+        allowed = torch.arange(total).unsqueeze(0) <= query_pos
+        out = F.scaled_dot_product_attention(qc, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=allowed,
+                                             scale=scale, enable_gqa=True)
+    return out.squeeze(0).transpose(0, 1)

@@ -1,0 +1,109 @@
+"""Llama-family decoders (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+q/k/v and gate/up projections are fused into one GEMM each. Qwen2 adds q/k/v biases, Qwen3 a per-head RMSNorm
+on q and k before RoPE. Every layer calls the forward context's hooks, which is where KV connectors load a layer
+before it is read and save it once it is written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from pdserve.layers.attention import AttentionMetadata, paged_attention
+from pdserve.layers.linear import Linear, RMSNorm, silu_and_mul
+from pdserve.layers.rotary import RotaryEmbedding
+from pdserve.models.config import TextModelConfig
+
+
+class LayerHooks(Protocol):
+    def wait_for_layer_load(self, layer_index: int) -> None: ...
+
+    def save_kv_layer(self, layer_index: int) -> None: ...
+
+
+class NoHooks:
+    def wait_for_layer_load(self, layer_index: int) -> None:
+        pass
+
+    def save_kv_layer(self, layer_index: int) -> None:
+        pass
+
+
+@dataclass(slots=True)
+class ForwardContext:
+    attn: AttentionMetadata
+    kv_cache: torch.Tensor  # [num_blocks, num_layers, 2, kv_heads, block_size, head_dim]
+    hooks: LayerHooks
+
+
+class DecoderLayer:
+    def __init__(self, cfg: TextModelConfig, weights: dict[str, torch.Tensor], rotary: RotaryEmbedding) -> None:
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        self.rotary = rotary
+        self.input_norm = RMSNorm(weights["input_layernorm"], cfg.rms_norm_eps)
+        self.post_attention_norm = RMSNorm(weights["post_attention_layernorm"], cfg.rms_norm_eps)
+        self.qkv = Linear(weights["qkv"], weights.get("qkv_bias"))
+        self.o_proj = Linear(weights["o_proj"])
+        self.gate_up = Linear(weights["gate_up"])
+        self.down = Linear(weights["down_proj"])
+        self.q_norm = RMSNorm(weights["q_norm"], cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(weights["k_norm"], cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+
+    def __call__(self, positions: torch.Tensor, hidden: torch.Tensor, layer_cache: torch.Tensor,
+                 attn: AttentionMetadata) -> torch.Tensor:
+        residual = hidden
+        qkv = self.qkv(self.input_norm(hidden))
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        attn_out = paged_attention(q, k, v, layer_cache, attn, self.scale)
+        hidden = residual + self.o_proj(attn_out.reshape(-1, self.q_size))
+        residual = hidden
+        hidden = self.down(silu_and_mul(self.gate_up(self.post_attention_norm(hidden))))
+        return residual + hidden
+
+
+class LlamaForCausalLM:
+    """Inference-only; weights arrive as a dict of fused, device-ready tensors (see models/loader.py)."""
+
+    def __init__(self, cfg: TextModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 max_positions: int, device: torch.device) -> None:
+        self.cfg = cfg
+        self.dtype = dtype
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, dtype, device)
+        self.embed_tokens = weights["embed_tokens"]
+        self.layers = [DecoderLayer(cfg, weights_of_layer(weights, i), self.rotary) for i in range(cfg.num_layers)]
+        self.norm = RMSNorm(weights["norm"], cfg.rms_norm_eps)
+        self.lm_head = Linear(weights.get("lm_head", self.embed_tokens))
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens.index_select(0, input_ids)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, ctx: ForwardContext,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        for index, layer in enumerate(self.layers):
+            ctx.hooks.wait_for_layer_load(index)
+            hidden = layer(positions, hidden, ctx.kv_cache[:, index], ctx.attn)
+            ctx.hooks.save_kv_layer(index)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).to(torch.float32)
+
+
+def weights_of_layer(weights: dict[str, torch.Tensor], index: int) -> dict[str, torch.Tensor]:
+    prefix = f"layers.{index}."
+    return {name[len(prefix):]: tensor for name, tensor in weights.items() if name.startswith(prefix)}

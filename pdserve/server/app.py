@@ -1,0 +1,175 @@
+"""The instance's HTTP server: vLLM's OpenAI routes plus /health and /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from pdserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestTimeoutError
+from pdserve.ids import new_external_request_id
+from pdserve.server.errors import OpenAIError, error_body
+from pdserve.server.metrics import ServerMetrics
+from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.server.serving import OpenAIServing
+
+log = logging.getLogger(__name__)
+_json = msgspec.json.Encoder()
+
+MAX_BODY_BYTES = 64 << 20
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(_json.encode(body), status_code=status, media_type="application/json", headers=headers)
+
+
+def error_response(exc: OpenAIError, headers: dict[str, str] | None = None) -> Response:
+    return json_response(exc.body(), exc.status, headers)
+
+
+async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise OpenAIError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+    try:
+        data = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise OpenAIError(400, f"malformed JSON body: {exc}") from exc
+    if not isinstance(data, dict):
+        raise OpenAIError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ())) or None
+        raise OpenAIError(400, f"invalid request: {where}: {first.get('msg')}", where) from exc
+
+
+def external_request_id(request: Request, body_id: str | None = None) -> str:
+    return request.headers.get("x-request-id") or body_id or new_external_request_id()
+
+
+async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
+    """Run `work`, cancelling it if the client goes away first (which aborts its engine requests)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise ClientDisconnected()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def guard_stream(request: Request, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Stop producing (and so abort the engine requests) as soon as the client disconnects."""
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    iterator = chunks.__aiter__()
+    try:
+        while True:
+            step = asyncio.ensure_future(iterator.__anext__())
+            await asyncio.wait({step, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():
+                step.cancel()
+                await asyncio.gather(step, return_exceptions=True)
+                return
+            try:
+                yield step.result()
+            except StopAsyncIteration:
+                return
+    finally:
+        watcher.cancel()
+        await iterator.aclose()
+
+
+def build_app(engine: AsyncEngine, serving: OpenAIServing, metrics: ServerMetrics,
+              extra_routes: Callable[[FastAPI], None] | None = None) -> FastAPI:
+    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
+    engine.output_listeners.append(metrics.on_output)
+
+    async def openai_route(request: Request, model: type[BaseModel],
+                           handler: Callable[[Any, str, dict[str, str]], Awaitable[Any]]) -> Response:
+        headers: dict[str, str] = {}
+        try:
+            body = await parse_body(request, model)
+            external_id = external_request_id(request, getattr(body, "request_id", None))
+            headers["X-Request-Id"] = external_id
+            result = await until_disconnect(request, handler(body, external_id, headers))
+        except OpenAIError as exc:
+            return error_response(exc, headers)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        except EngineDeadError as exc:
+            return error_response(OpenAIError(503, str(exc)), headers)
+        except RequestTimeoutError as exc:
+            return error_response(OpenAIError(504, str(exc)), headers)
+        if isinstance(result, dict):
+            return json_response(result, headers=headers)
+        return StreamingResponse(guard_stream(request, result), media_type="text/event-stream", headers=headers)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await openai_route(request, CompletionRequest, serving.completions)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await openai_route(request, ChatCompletionRequest, serving.chat)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return json_response({"object": "list", "data": [{
+            "id": serving.model_name, "object": "model", "created": 0, "owned_by": "pdserve",
+            "root": serving.model_name, "max_model_len": serving.max_model_len}]})
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.is_healthy:
+            return Response(status_code=200)
+        return json_response(error_body(503, f"engine is not running: {engine.dead}"), 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/version")
+    async def version() -> Response:
+        from importlib.metadata import version as pkg_version
+
+        return json_response({"version": pkg_version("pdserve")})
+
+    @app.exception_handler(404)
+    async def not_found(request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(error_body(404, f"no route {request.method} {request.url.path}"), 404)
+
+    @app.exception_handler(405)
+    async def not_allowed(request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(error_body(405, f"{request.method} is not allowed on {request.url.path}"), 405)
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}: {exc}"), 500)
+
+    if extra_routes is not None:
+        extra_routes(app)
+    return app

@@ -1,0 +1,386 @@
+"""The OpenAI completions and chat endpoints on top of the async engine.
+
+A request fans out to one engine request per (prompt, sample); their outputs are merged back into one
+response, or one SSE stream, in vLLM's shapes (including top-level ``kv_transfer_params`` on non-streaming
+responses).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from pdserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestTimeoutError
+from pdserve.engine.llm_engine import PromptError
+from pdserve.engine.output_processor import RequestOutput
+from pdserve.engine.request import TokenLogprobs
+from pdserve.ids import ReqId, make_internal_request_id
+from pdserve.sampling_params import SamplingParams, SamplingParamsError
+from pdserve.server.errors import OpenAIError, bad_request, error_body
+from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedFieldError
+from pdserve.tokenizer import Tokenizer, TokenizerError
+
+log = logging.getLogger(__name__)
+_json = msgspec.json.Encoder()
+
+# Validates a body's kv_transfer_params (raising ValueError) and returns what the engine should get.
+KVParamsCheck = Callable[[dict[str, Any] | None, int], dict[str, Any] | None]
+# Told when a request carrying kv_transfer_params is refused before it reaches the engine.
+KVParamsReject = Callable[[dict[str, Any] | None, str], None]
+
+
+@dataclass(slots=True)
+class _Prompt:
+    token_ids: list[int]
+    text: str | None
+
+
+@dataclass(slots=True)
+class _Sequence:
+    """Accumulated state of one (prompt, sample) engine request."""
+
+    prompt_index: int
+    sample_index: int
+    choice_index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    final: RequestOutput | None = None
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, model_name: str, tokenizer: Tokenizer, max_model_len: int,
+                 check_kv_params: KVParamsCheck | None = None, reject_kv_params: KVParamsReject | None = None) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.check_kv_params = check_kv_params or (lambda params, n: params)
+        self.reject_kv_params = reject_kv_params or (lambda params, reason: None)
+
+    # -- entry points -----------------------------------------------------------------------------------
+    async def completions(self, body: CompletionRequest, external_id: str,
+                          headers: dict[str, str] | None = None) -> dict | AsyncIterator[bytes]:
+        return await self._refusing_tells_producer(body, self._completions(body, external_id, headers))
+
+    async def chat(self, body: ChatCompletionRequest, external_id: str,
+                   headers: dict[str, str] | None = None) -> dict | AsyncIterator[bytes]:
+        return await self._refusing_tells_producer(body, self._chat(body, external_id, headers))
+
+    async def _refusing_tells_producer(self, body: Any, work: Any) -> dict | AsyncIterator[bytes]:
+        """A request that holds KV on a prefill instance and is refused here must free it there, at once."""
+        try:
+            return await work
+        except OpenAIError as exc:
+            if body.kv_transfer_params:
+                self.reject_kv_params(body.kv_transfer_params, exc.message)
+            raise
+
+    async def _completions(self, body: CompletionRequest, external_id: str,
+                           headers: dict[str, str] | None) -> dict | AsyncIterator[bytes]:
+        self._check_common(body)
+        prompts = [self._completion_prompt(p) for p in body.prompts()]
+        params = [self._params(body, body.max_tokens, len(p.token_ids)) for p in prompts]
+        return await self._run("completion", body, f"cmpl-{external_id}", prompts, params, headers)
+
+    async def _chat(self, body: ChatCompletionRequest, external_id: str,
+                    headers: dict[str, str] | None) -> dict | AsyncIterator[bytes]:
+        self._check_common(body)
+        if body.echo:
+            raise OpenAIError(400, "'echo' is not supported by pdserve for chat completions", "echo")
+        try:
+            token_ids = self.tokenizer.encode_chat(
+                flatten_messages(body.message_dicts()), add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message, tools=body.tools,
+                chat_template_kwargs=body.chat_template_kwargs)
+        except TokenizerError as exc:
+            raise bad_request(str(exc), "messages") from exc
+        prompt = _Prompt(token_ids, None)
+        params = [self._params(body, body.requested_max_tokens(), len(token_ids))]
+        return await self._run("chat", body, f"chatcmpl-{external_id}", [prompt], params, headers)
+
+    # -- validation -------------------------------------------------------------------------------------
+    def _check_common(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        if body.model is not None and body.model != self.model_name:
+            raise OpenAIError(404, f"The model `{body.model}` does not exist.", "model", "NotFoundError")
+        try:
+            body.check_supported()
+        except UnsupportedFieldError as exc:
+            raise bad_request(str(exc), exc.field_name) from exc
+        except ValueError as exc:
+            raise bad_request(str(exc)) from exc
+        ignored = body.unknown_fields()
+        if ignored:
+            log.debug("ignoring unknown request fields: %s", ignored)
+
+    def _completion_prompt(self, prompt: str | list[int]) -> _Prompt:
+        if isinstance(prompt, str):
+            return _Prompt(self.tokenizer.encode(prompt), prompt)
+        return _Prompt(list(prompt), None)
+
+    def _params(self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
+                prompt_len: int) -> SamplingParams:
+        room = self.max_model_len - prompt_len
+        if room <= 0:
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your request has "
+                f"{prompt_len} input tokens. Please reduce the length of the input messages.", "messages")
+        if max_tokens is not None and max_tokens > room:
+            raise bad_request(
+                f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum context "
+                f"length is {self.max_model_len} tokens and your request has {prompt_len} input tokens "
+                f"({max_tokens} > {self.max_model_len} - {prompt_len}).", "max_tokens")
+        params = body.sampling_params(max_tokens if max_tokens is not None else room)
+        try:
+            params.validate(self.engine.engine.vocab_size)
+        except SamplingParamsError as exc:
+            raise bad_request(str(exc)) from exc
+        return params
+
+    # -- running ----------------------------------------------------------------------------------------
+    async def _run(self, kind: str, body: Any, response_id: str, prompts: list[_Prompt],
+                   params: list[SamplingParams], headers: dict[str, str] | None) -> dict | AsyncIterator[bytes]:
+        n = params[0].n
+        try:
+            kv_params = self.check_kv_params(body.kv_transfer_params, len(prompts) * n)
+        except ValueError as exc:
+            raise bad_request(str(exc), "kv_transfer_params") from exc
+        sequences: list[_Sequence] = []
+        streams: list[AsyncIterator[RequestOutput]] = []
+        internal_ids: list[str] = []
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            for j in range(p.n):
+                base = f"{response_id}-{i}" if kind == "completion" else response_id
+                external = base if p.n == 1 else f"{j}_{base}"
+                rid = make_internal_request_id(external)
+                internal_ids.append(rid)
+                sequences.append(_Sequence(i, j, len(sequences)))
+                streams.append(self._generate(external, rid, prompt.token_ids, p.for_child(j), kv_params))
+        if headers is not None:
+            # The instance's own ids (external id + random suffix): useful in logs, never shared between P and D.
+            headers["X-Pdserve-Request-Ids"] = ",".join(internal_ids)
+        created = int(time.time())
+        if body.stream:
+            return self._stream(kind, body, response_id, created, prompts, sequences, streams)
+        await self._collect(sequences, streams)
+        return self._response(kind, body, response_id, created, prompts, sequences)
+
+    def _generate(self, external_id: str, request_id: ReqId, token_ids: list[int], params: SamplingParams,
+                  kv_params: dict[str, Any] | None) -> AsyncIterator[RequestOutput]:
+        try:
+            self.engine.validate(token_ids, params)
+        except (PromptError, SamplingParamsError) as exc:
+            raise bad_request(str(exc)) from exc
+        return self.engine.generate(external_id, token_ids, params, kv_transfer_params=kv_params, request_id=request_id)
+
+    async def _collect(self, sequences: list[_Sequence], streams: list[AsyncIterator[RequestOutput]]) -> None:
+        async for index, out in merge(streams):
+            _absorb(sequences[index], out)
+        for seq in sequences:
+            _raise_if_failed(seq.final)
+
+    def _response(self, kind: str, body: Any, response_id: str, created: int, prompts: list[_Prompt],
+                  sequences: list[_Sequence]) -> dict:
+        choices = []
+        for seq in sequences:
+            final = seq.final
+            choice: dict[str, Any] = {"index": seq.choice_index, "finish_reason": final.finish_reason,
+                                      "stop_reason": final.stop_reason}
+            prompt = prompts[seq.prompt_index]
+            if kind == "completion":
+                text = seq.text
+                if body.echo:
+                    text = (prompt.text if prompt.text is not None else self.tokenizer.decode(prompt.token_ids)) + text
+                choice["text"] = text
+                choice["logprobs"] = self._completion_logprobs(seq.logprobs) if body.logprobs is not None else None
+            else:
+                choice["message"] = {"role": "assistant", "content": seq.text}
+                choice["logprobs"] = self._chat_logprobs(seq.logprobs) if body.logprobs else None
+            if body.return_token_ids:
+                choice["token_ids"] = seq.token_ids
+                if kind == "completion":
+                    choice["prompt_token_ids"] = prompt.token_ids
+            choices.append(choice)
+        response = {
+            "id": response_id, "object": "text_completion" if kind == "completion" else "chat.completion",
+            "created": created, "model": self.model_name, "choices": choices,
+            "usage": _usage(prompts, sequences),
+            "kv_transfer_params": sequences[0].final.kv_transfer_params if len(sequences) == 1 else None,
+        }
+        if kind == "chat" and body.return_token_ids:
+            response["prompt_token_ids"] = prompts[0].token_ids
+        return response
+
+    async def _stream(self, kind: str, body: Any, response_id: str, created: int, prompts: list[_Prompt],
+                      sequences: list[_Sequence], streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[bytes]:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
+        obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
+
+        def chunk(choices: list[dict], usage: dict | None = None) -> bytes:
+            payload: dict[str, Any] = {"id": response_id, "object": obj, "created": created,
+                                       "model": self.model_name, "choices": choices}
+            if include_usage:
+                payload["usage"] = usage
+            return b"data: " + _json.encode(payload) + b"\n\n"
+
+        try:
+            if kind == "chat":
+                yield chunk([{"index": s.choice_index, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None} for s in sequences])
+            async for index, out in merge(streams):
+                seq = sequences[index]
+                _absorb(seq, out)
+                if out.finished and out.finish_reason in ("error", "abort"):
+                    yield b"data: " + _json.encode(_failure_body(out)) + b"\n\n"
+                    break
+                if not out.new_text and not out.finished and not out.new_logprobs:
+                    continue
+                usage = _usage(prompts, sequences) if continuous else None
+                yield chunk([self._stream_choice(kind, body, seq, out)], usage)
+            else:
+                if include_usage:
+                    yield chunk([], _usage(prompts, sequences))
+        except (EngineDeadError, RequestTimeoutError) as exc:
+            yield b"data: " + _json.encode(error_body(503 if isinstance(exc, EngineDeadError) else 504, str(exc))) + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    def _stream_choice(self, kind: str, body: Any, seq: _Sequence, out: RequestOutput) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": seq.choice_index}
+        if kind == "completion":
+            choice["text"] = out.new_text
+            choice["logprobs"] = self._completion_logprobs(out.new_logprobs) if body.logprobs is not None else None
+        else:
+            choice["delta"] = {"content": out.new_text} if out.new_text or not out.finished else {}
+            choice["logprobs"] = self._chat_logprobs(out.new_logprobs) if body.logprobs else None
+        if body.return_token_ids:
+            choice["token_ids"] = out.new_token_ids
+        choice["finish_reason"] = out.finish_reason if out.finished else None
+        choice["stop_reason"] = out.stop_reason if out.finished else None
+        return choice
+
+    # -- logprobs formats -------------------------------------------------------------------------------
+    def _completion_logprobs(self, logprobs: list[TokenLogprobs]) -> dict[str, Any]:
+        text = self.tokenizer.token_text
+        tokens, values, tops = [], [], []
+        for lp in logprobs:
+            tokens.append(text(lp.token_id))
+            values.append(lp.logprob)
+            top = {text(t): v for t, v in zip(lp.top_ids, lp.top_logprobs, strict=True)}
+            top.setdefault(text(lp.token_id), lp.logprob)
+            tops.append(top)
+        offsets, at = [], 0
+        for token in tokens:
+            offsets.append(at)
+            at += len(token)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+    def _chat_logprobs(self, logprobs: list[TokenLogprobs]) -> dict[str, Any]:
+        text = self.tokenizer.token_text
+
+        def entry(token_id: int, value: float) -> dict[str, Any]:
+            token = text(token_id)
+            return {"token": token, "logprob": value, "bytes": list(token.encode("utf-8"))}
+
+        content = []
+        for lp in logprobs:
+            item = entry(lp.token_id, lp.logprob)
+            item["top_logprobs"] = [entry(t, v) for t, v in zip(lp.top_ids, lp.top_logprobs, strict=True)]
+            content.append(item)
+        return {"content": content}
+
+
+# -- helpers ----------------------------------------------------------------------------------------------
+def flatten_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Text-only content parts become one string, which every chat template understands."""
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                kind = part.get("type")
+                if kind == "text":
+                    parts.append(part.get("text", ""))
+                else:
+                    raise bad_request(f"content parts of type {kind!r} are not supported by this model", "messages")
+            message = {**message, "content": "\n".join(parts)}
+        out.append(message)
+    return out
+
+
+def _absorb(seq: _Sequence, out: RequestOutput) -> None:
+    seq.token_ids.extend(out.new_token_ids)
+    seq.text += out.new_text
+    seq.logprobs.extend(out.new_logprobs)
+    if out.finished:
+        seq.final = out
+
+
+def _raise_if_failed(final: RequestOutput | None) -> None:
+    if final is None:
+        raise OpenAIError(500, "the request ended without a result")
+    if final.finish_reason == "error":
+        raise OpenAIError(500, final.error or "the request failed in the engine")
+    if final.finish_reason == "abort":
+        raise OpenAIError(503, final.error or "the request was aborted")
+
+
+def _failure_body(out: RequestOutput) -> dict[str, Any]:
+    status = 500 if out.finish_reason == "error" else 503
+    return error_body(status, out.error or f"the request ended with finish_reason={out.finish_reason}")
+
+
+def _usage(prompts: list[_Prompt], sequences: list[_Sequence]) -> dict[str, Any]:
+    prompt_tokens = sum(len(p.token_ids) for p in prompts)
+    completion = sum(len(s.token_ids) for s in sequences)
+    cached = 0
+    for seq in sequences:
+        if seq.sample_index == 0 and seq.final is not None:
+            cached += seq.final.num_cached_tokens
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several output streams as items arrive; closing the merge closes every stream (aborting)."""
+    if len(streams) == 1:
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            await streams[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in stream:
+                await queue.put((index, out))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            await queue.put((index, exc))
+        finally:
+            await queue.put((index, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

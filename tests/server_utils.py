@@ -1,0 +1,66 @@
+"""Helpers for tests that talk to real pdserve processes over HTTP."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def metric_values(base_url: str) -> dict[str, float]:
+    """Every sample of /metrics, keyed by sample name (labels dropped; summed across label sets)."""
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return values
+
+
+def wait_until_idle(base_url: str, timeout: float = 10.0) -> dict[str, float]:
+    """Wait until the instance holds no KV blocks and runs nothing; fail with the last reading otherwise."""
+    deadline = time.monotonic() + timeout
+    last: dict[str, float] = {}
+    while time.monotonic() < deadline:
+        last = metric_values(base_url)
+        if (last.get("pdserve:kv_blocks_in_use", -1) == 0 and last.get("vllm:num_requests_running", -1) == 0
+                and last.get("vllm:num_requests_waiting", -1) == 0):
+            return last
+        time.sleep(0.05)
+    raise AssertionError(f"instance at {base_url} not idle after {timeout} s: "
+                         f"blocks={last.get('pdserve:kv_blocks_in_use')} running={last.get('vllm:num_requests_running')} "
+                         f"waiting={last.get('vllm:num_requests_waiting')}")
+
+
+def sse_events(response: httpx.Response) -> Iterator[dict]:
+    """Parse a streamed SSE body into JSON events, stopping at [DONE]."""
+    for line in response.iter_lines():
+        if not line.startswith("data: "):
+            continue
+        data = line[len("data: "):]
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
+def toy_proxy(client: httpx.Client, prefill_url: str, decode_url: str, path: str, body: dict,
+              request_id: str | None = None) -> tuple[httpx.Response, dict]:
+    """Drive one request through P then D exactly as vLLM's NIXL toy proxy does; returns (D's response, P's JSON)."""
+    headers = {"X-Request-Id": request_id} if request_id else {}
+    prefill_body = {k: v for k, v in body.items()
+                    if k not in ("stream_options", "min_tokens", "min_completion_tokens")}
+    prefill_body.update({"max_tokens": 1, "stream": False, "kv_transfer_params": {
+        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
+        "remote_host": None, "remote_port": None}})
+    if "max_completion_tokens" in body:
+        prefill_body["max_completion_tokens"] = 1
+    p = client.post(f"{prefill_url}{path}", json=prefill_body, headers=headers)
+    assert p.status_code == 200, p.text
+    p_json = p.json()
+    decode_body = dict(body)
+    if p_json.get("kv_transfer_params"):
+        decode_body["kv_transfer_params"] = p_json["kv_transfer_params"]
+    return client.post(f"{decode_url}{path}", json=decode_body, headers=headers), p_json
