@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import FastAPI
+import msgspec
+from fastapi import FastAPI, Request, Response
 
 from pdserve.config import EngineConfig
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv_transfer.factory import build_connectors
-from pdserve.server.app import build_app
+from pdserve.server.app import build_app, json_response
+from pdserve.server.errors import error_body
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.serving import OpenAIServing
 
@@ -24,17 +26,31 @@ class Instance:
 
     async def start(self, advertised_host: str = "127.0.0.1") -> FastAPI:
         self.async_engine.start()
-        check_kv = reject_kv = None
+        bundle = self.connectors
         extra_stats = dict
-        if self.connectors is not None:
-            await self.connectors.start(self.async_engine, advertised_host)
-            check_kv = self.connectors.check_request_params
-            reject_kv = self.connectors.reject
-            extra_stats = self.connectors.metrics
-        serving = OpenAIServing(self.async_engine, self.config.model_name, self.engine.tokenizer,
-                                self.engine.max_model_len, check_kv, reject_kv)
+        if bundle is not None:
+            await bundle.start(self.async_engine, advertised_host)
+            extra_stats = bundle.metrics
+        serving = OpenAIServing(
+            self.async_engine, self.config.model_name, self.engine.tokenizer, self.engine.max_model_len,
+            check_kv_params=bundle.check_request_params if bundle else None,
+            reject_kv_params=bundle.reject if bundle else None,
+            prepare_kv_params=bundle.prepare_request_params if bundle else None)
         metrics = ServerMetrics(self.config.model_name, self.engine.stats, extra_stats)
-        return build_app(self.async_engine, serving, metrics)
+        return build_app(self.async_engine, serving, metrics, self._transfer_routes if bundle else None)
+
+    def _transfer_routes(self, app: FastAPI) -> None:
+        bundle = self.connectors
+
+        @app.post("/v1/kv/release")
+        async def release(request: Request) -> Response:
+            """Free KV held for a transfer now (a gateway's explicit message; never wait for the lease)."""
+            try:
+                params = msgspec.json.decode(await request.body())
+                released = bundle.release_local(params if isinstance(params, dict) else {})
+            except (msgspec.DecodeError, ValueError) as exc:
+                return json_response(error_body(400, str(exc)), 400)
+            return json_response({"released": released})
 
     def ready_fields(self) -> dict[str, Any]:
         fields: dict[str, Any] = {"role": self.config.role, "model": self.config.model_name,

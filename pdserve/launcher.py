@@ -80,13 +80,17 @@ class Process:
 
 def start(name: str, args: list[str], timeout: float = 120.0, env: dict[str, str] | None = None) -> Process:
     """Run `python -m pdserve ARGS` (which must announce readiness) and wait for its ready line."""
+    return start_command(name, [sys.executable, "-m", "pdserve", *args], timeout, env)
+
+
+def start_command(name: str, argv: list[str], timeout: float = 120.0, env: dict[str, str] | None = None) -> Process:
+    """Run any command that announces readiness with a JSON line on stdout, and wait for that line."""
     fd, log_name = tempfile.mkstemp(prefix=f"pdserve-{name}-", suffix=".log")
     os.close(fd)
     log_path = Path(log_name)
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     with log_path.open("wb") as log_file:
-        popen = subprocess.Popen([sys.executable, "-m", "pdserve", *args], stdout=subprocess.PIPE, stderr=log_file,
-                                 env=full_env, start_new_session=True)
+        popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log_file, env=full_env, start_new_session=True)
     proc = Process(name, popen, {}, log_path)
     try:
         proc.ready = _wait_ready(popen, timeout)

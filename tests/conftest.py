@@ -1,8 +1,8 @@
 """Shared fixtures for the engine tests: tiny models built once per session, engines that must end clean.
 
-Every test runs single-threaded (the CI machine has two cores and pytest runs one test at a time). Engines made
-through `make_llm` are checked at teardown: a test that leaves a KV block referenced fails, so block leaks
-show up in whichever test causes them.
+Every test runs single-threaded (the CI machine has two cores and pytest runs one test at a time).
+Engines made through `make_llm` are checked at teardown: a test that leaves a KV block referenced fails,
+so block leaks show up in whichever test causes them.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _single_thread() -> None:
 
 
 def assert_no_blocks_in_use(engine: LLMEngine) -> None:
-    """Every KV block is back in the pool (prefix-cached blocks may keep their contents, but no references)."""
+    """Every KV block is back in the pool (prefix-cached blocks keep their contents, but no references)."""
     assert not engine.has_unfinished_requests(), "requests are still running"
     assert engine.kv.num_used_blocks == 0, f"{engine.kv.num_used_blocks} KV blocks still referenced"
     assert not engine.kv.req_blocks, f"block tables left for {list(engine.kv.req_blocks)}"
@@ -44,7 +44,7 @@ def _assert_no_blocks_in_use_fixture() -> Callable[[LLMEngine], None]:
 
 
 class ModelFactory:
-    """Builds each distinct tiny model once per session (make_text_model output is byte-identical per args)."""
+    """Builds each distinct tiny model once per session (make_text_model is byte-identical per args)."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -55,7 +55,8 @@ class ModelFactory:
         key = json.dumps([arch, num_shards, dtype, rope_scaling], sort_keys=True)
         if key not in self.built:
             out = self.root / f"{arch}-{len(self.built)}"
-            self.built[key] = make_text_model(arch, out, num_shards=num_shards, dtype=dtype, rope_scaling=rope_scaling)
+            self.built[key] = make_text_model(arch, out, num_shards=num_shards, dtype=dtype,
+                                              rope_scaling=rope_scaling)
         return self.built[key]
 
     def variant(self, base: Path, name: str, edit: Callable[[Path], None]) -> Path:

@@ -33,7 +33,7 @@ def assert_same_sequence(a: SequenceResult, b: SequenceResult, what: str) -> Non
     assert len(a.logprobs) == len(b.logprobs) == len(a.token_ids), what
     for step, (x, y) in enumerate(zip(a.logprobs, b.logprobs, strict=True)):
         assert x.token_id == y.token_id and x.rank == y.rank, f"{what}: step {step}"
-        assert abs(x.logprob - y.logprob) < LOGPROB_TOL, f"{what}: step {step} logprob {x.logprob} vs {y.logprob}"
+        assert abs(x.logprob - y.logprob) < LOGPROB_TOL, f"{what}: step {step}: {x.logprob} vs {y.logprob}"
         assert x.top_logprobs == pytest.approx(y.top_logprobs, abs=LOGPROB_TOL), f"{what}: step {step}"
 
 
@@ -50,6 +50,19 @@ def run_alone(llm, prompts, params) -> list[GenerationResult]:
     return [llm.generate([p], q)[0] for p, q in zip(prompts, params, strict=True)]
 
 
+def record_plans(engine) -> list:
+    """Keep every scheduler plan the engine executes (for checking what a test really exercised)."""
+    plans = []
+    execute = engine.runner.execute_model
+
+    def recording(plan):
+        plans.append(plan)
+        return execute(plan)
+
+    engine.runner.execute_model = recording
+    return plans
+
+
 # -- batching ----------------------------------------------------------------------------------------------
 
 
@@ -58,7 +71,11 @@ def test_mixed_batch_equals_each_request_alone(llama_dir, make_llm) -> None:
     # Different output lengths too, so requests finish while others are still prefilling or decoding.
     params = [greedy(max_tokens=8 + 4 * i) for i in range(len(prompts))]
     llm = make_llm(llama_dir, max_num_batched_tokens=64, enable_prefix_caching=False)
+    plans = record_plans(llm.engine)
     together = llm.generate(prompts, params)
+    # The batch really mixed work: some step ran decodes next to a prefill chunk of another request.
+    kinds = [{s.is_decode for s in plan.scheduled} for plan in plans]
+    assert {True, False} in kinds
     alone = run_alone(llm, prompts, params)
     assert_same_results(together, alone, "batched vs alone")
 
@@ -168,10 +185,12 @@ def test_concurrent_requests_sharing_a_prefix(llama_dir, make_llm) -> None:
 def test_preempted_requests_equal_unpreempted(prefix_caching, llama_dir, make_llm) -> None:
     prompts = [random_prompt(20 + 7 * i, seed=80 + i) for i in range(4)]
     # Greedy and seeded sampling: a preempted seeded request must continue its own random stream.
-    params = [greedy(max_tokens=40), seeded(5, max_tokens=40), greedy(max_tokens=36), seeded(6, max_tokens=44)]
+    params = [greedy(max_tokens=40), seeded(5, max_tokens=40), greedy(max_tokens=36),
+              seeded(6, max_tokens=44)]
     roomy = make_llm(llama_dir, max_num_batched_tokens=64, enable_prefix_caching=prefix_caching)
     # Each request needs 4-5 blocks at its longest; 10 blocks hold two of them, so the scheduler must preempt.
-    tight = make_llm(llama_dir, max_num_batched_tokens=64, num_kv_blocks=10, enable_prefix_caching=prefix_caching)
+    tight = make_llm(llama_dir, max_num_batched_tokens=64, num_kv_blocks=10,
+                     enable_prefix_caching=prefix_caching)
     expected = run_alone(roomy, prompts, params)
     got = tight.generate(prompts, params)
     assert tight.engine.scheduler.num_preemptions > 0
@@ -183,7 +202,8 @@ def test_preemption_with_shared_prefix_blocks_and_chunked_prefill(llama_dir, mak
     """Victims that share prefix-cache blocks with survivors, preempted mid-prefill or mid-decode."""
     shared = random_prompt(32, seed=85)
     prompts = [shared + random_prompt(10 + 9 * i, seed=86 + i) for i in range(4)]
-    params = [greedy(max_tokens=30), seeded(8, max_tokens=34), greedy(max_tokens=26), seeded(9, max_tokens=30)]
+    params = [greedy(max_tokens=30), seeded(8, max_tokens=34), greedy(max_tokens=26),
+              seeded(9, max_tokens=30)]
     roomy = make_llm(llama_dir, max_num_batched_tokens=24, enable_prefix_caching=False)
     tight = make_llm(llama_dir, max_num_batched_tokens=24, num_kv_blocks=11)
     expected = run_alone(roomy, prompts, params)
@@ -219,7 +239,7 @@ def test_prompt_over_the_step_budget_without_chunked_prefill_is_refused(llama_di
     engine = llm.engine
     with pytest.raises(ValueError, match="32 tokens"):
         engine.add_request("too-long", random_prompt(40, seed=102), greedy())
-    # A prompt that fits runs, and its output is capped where a recompute after preemption would no longer fit.
+    # A prompt that fits runs; its output is capped where a recompute after preemption would no longer fit.
     rid = engine.add_request("fits", random_prompt(20, seed=103), greedy(max_tokens=100, logprobs=None))
     (out,) = run_bounded(engine, 100)
     assert out.request_id == rid and out.finish_reason == "length" and out.num_output_tokens == 12
@@ -278,14 +298,15 @@ def test_abort_mid_generation_frees_all_blocks(llama_dir, make_llm, assert_no_bl
     llm = make_llm(llama_dir, max_num_batched_tokens=32, max_num_seqs=2)
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
-    decoding = engine.add_request("decoding", random_prompt(20, seed=96), params)
+    decoding = engine.add_request("decoding", random_prompt(20, seed=96), seeded(3, max_tokens=100))
     prefilling = engine.add_request("prefilling", random_prompt(150, seed=97), params)
-    waiting = engine.add_request("waiting", random_prompt(10, seed=98), params)  # max_num_seqs keeps it queued
+    waiting = engine.add_request("waiting", random_prompt(10, seed=98), params)  # held back by max_num_seqs
     survivor = engine.add_request("survivor", random_prompt(10, seed=99), SamplingParams(temperature=0.0,
                                                                                          max_tokens=5))
     for _ in range(4):
         engine.step()
     assert engine.kv.block_ids(decoding) and engine.kv.block_ids(prefilling)
+    assert decoding in engine.runner.generators  # its own seeded generator, to be dropped with it
     assert engine.scheduler.requests[prefilling].num_computed_tokens < 150  # still mid-prefill
     used_before = engine.kv.num_used_blocks
     outputs = engine.abort_request(decoding)

@@ -1,9 +1,9 @@
 """Sampling semantics, checked against computations made here, independently of the engine.
 
-Sampler-level tests call `pdserve.engine.sampler.sample` on hand-made logits rows whose answers can be worked
-out by hand (which tokens top-p / min-p / top-k keep, what a penalty does to a logit). Engine-level tests run the
-tiny llama and check stops, finish reasons, penalties and logprobs against Hugging Face logits or against an
-unconstrained pdserve run of the same prompt.
+Sampler-level tests call `pdserve.engine.sampler.sample` on hand-made logits rows whose answers can be
+worked out by hand (which tokens top-p / min-p / top-k keep, what a penalty does to a logit). Engine-level
+tests run the tiny llama and check stops, finish reasons, penalties and logprobs against Hugging Face logits
+or against an unconstrained pdserve run of the same prompt.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ HAND_PROBS = [0.5, 0.25, 0.15, 0.07, 0.03]
 
 def row(params: SamplingParams, output: list[int] | None = None, prompt: list[int] | None = None,
         eos: tuple[int, ...] = ()) -> ScheduledRequest:
-    return ScheduledRequest(request_id=ReqId("r"), token_ids=[0], start_position=0, block_ids=[0], sample=True,
-                            sampling_params=params, prompt_token_ids=prompt or [0],
+    return ScheduledRequest(request_id=ReqId("r"), token_ids=[0], start_position=0, block_ids=[0],
+                            sample=True, sampling_params=params, prompt_token_ids=prompt or [0],
                             output_token_ids=output or [], eos_token_ids=eos)
 
 
@@ -324,7 +324,8 @@ def test_stop_strings_cut_the_text(include, llama_dir, make_llm) -> None:
     prompt = random_prompt(12, seed=3)
     free = greedy_run(llm, prompt, max_tokens=24)
     stop, last, start = stop_string_case(llm, prompt, free)
-    seq = greedy_run(llm, prompt, max_tokens=24, stop=["never-in-this-text", stop], include_stop_str_in_output=include)
+    seq = greedy_run(llm, prompt, max_tokens=24, stop=["never-in-this-text", stop],
+                     include_stop_str_in_output=include)
     # Generation ends with the token that completes the stop string.
     assert seq.token_ids == free.token_ids[:last + 1]
     assert seq.text == free.text[:start + len(stop)] if include else seq.text == free.text[:start]

@@ -25,8 +25,9 @@ from pdserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-# How long the loop sleeps when only background work (leases, remote loads) is pending.
-_IDLE_POLL_S = 0.002
+# How long the loop sleeps when a step ran nothing (requests wait on transfers or leases only). Transfer events
+# wake it at once (see `wake`), so this only bounds how late a missed event is noticed.
+_IDLE_POLL_S = 0.005
 _NO_WORK_POLL_S = 0.05
 
 
@@ -141,12 +142,17 @@ class AsyncEngine:
         self._wakeup.set()
 
     # -- the engine thread ------------------------------------------------------------------------------
+    def wake(self) -> None:
+        """Something outside the engine progressed (a transfer finished, a lease ended): step now. Thread-safe."""
+        self._wakeup.set()
+
     def _run(self) -> None:
         while not self._stopping.is_set():
             self._drain_commands()
             if self.engine.has_work():
                 self._step()
-                if not self.engine.has_unfinished_requests():
+                if self.engine.last_step_tokens == 0:
+                    # Nothing ran: spinning would only starve the transfer threads of the GIL.
                     self._wait(_IDLE_POLL_S)
             else:
                 self._wait(_NO_WORK_POLL_S)

@@ -62,9 +62,13 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_queries += request.num_tokens
-        self.prefix_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Counted once per admitted request, not per admission attempt (retries under memory pressure)."""
+        if self.enable_prefix_caching:
+            self.prefix_queries += num_tokens
+            self.prefix_hits += num_hit_tokens
 
     # -- actions ----------------------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_tokens: int, new_computed_blocks: list[KVBlock] = ()) -> list[int] | None:

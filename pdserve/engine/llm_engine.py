@@ -67,6 +67,7 @@ class LLMEngine:
             kv_load_failure_policy=config.kv_transfer_config.get("kv_load_failure_policy", "recompute"))
         self.scheduler = Scheduler(sched_cfg, self.kv, connectors.scheduler if connectors is not None else None)
         self.output = OutputProcessor(self.tokenizer)
+        self.last_step_tokens = 0
         log.info("engine ready: %s, dtype %s, %d KV blocks of %d tokens, max_model_len %d", config.model,
                  self.dtype, num_blocks, config.block_size, self.max_model_len)
 
@@ -110,6 +111,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         result = self.runner.execute_model(plan)
+        self.last_step_tokens = plan.num_scheduled_tokens
         return self._process(self.scheduler.update_from_output(plan, result))
 
     def _process(self, touched: list[Request]) -> list[RequestOutput]:

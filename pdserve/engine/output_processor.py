@@ -75,18 +75,20 @@ class OutputProcessor:
     def _advance_text(self, state: _TextState, request: Request, new_ids: list[int]) -> bool:
         """Feed new tokens; True when a stop string ended the sequence (text is then cut)."""
         # A sequence just capped by max_tokens may still end in a stop string, which then wins (as in vLLM);
-        # only the EOS / stop token id that ended a stopped sequence is not searched for stop strings.
-        stopped_by_token = request.status == RequestStatus.FINISHED_STOPPED
+        # an EOS / stop token id that ended a sequence is not searched, nor is an aborted or failed sequence.
+        searchable = not request.is_finished or request.status == RequestStatus.FINISHED_LENGTH_CAPPED
         first_index = request.num_output_tokens - len(new_ids)
+        # The EOS or stop token id that ended a sequence is not part of its text (vLLM drops it too).
+        drop_last = _ended_by_stop_token(request) and not state.include_stop
         for i, token_id in enumerate(new_ids):
-            state.text += state.detokenizer.step(token_id)
-            if stopped_by_token and i == len(new_ids) - 1:
-                break
+            piece = state.detokenizer.step(token_id)
+            if drop_last and i == len(new_ids) - 1:
+                continue
+            state.text += piece
             # min_tokens holds back stop strings too, not just EOS and stop token ids (vLLM PR 22014).
             if first_index + i + 1 <= request.sampling_params.min_tokens:
                 state.checked_chars = len(state.text)
-                continue
-            if state.stop and self._cut_at_stop(state):
+            elif searchable and state.stop and self._cut_at_stop(state):
                 return True
         return False
 
@@ -137,6 +139,12 @@ class OutputProcessor:
 
     def drop(self, request_id: ReqId) -> None:
         self.states.pop(request_id, None)
+
+
+def _ended_by_stop_token(request: Request) -> bool:
+    if request.status != RequestStatus.FINISHED_STOPPED or not request.output_token_ids:
+        return False
+    return isinstance(request.stop_reason, int) or request.output_token_ids[-1] in request.eos_token_ids
 
 
 def _request_metrics(request: Request) -> dict[str, float]:

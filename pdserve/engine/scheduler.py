@@ -175,6 +175,7 @@ class Scheduler:
         if block_ids is None:
             return None
         if fresh:
+            self.kv.record_prefix_lookup(request.num_tokens, num_local)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_local
             if self.connector is not None:

@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,12 +33,18 @@ log = logging.getLogger(__name__)
 _EARLY_NOTICE_TTL_S = 60.0
 
 
+def _by_transfer(transfer_id: str) -> str:
+    """Early-notice key for a release that named a transfer_id rather than a hold key."""
+    return f"transfer:{transfer_id}"
+
+
 @dataclass(slots=True)
 class Lease:
     key: str
     token: str
     block_ids: frozenset[int]
     expires_at: float
+    transfer_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +116,7 @@ class TransferAgent:
         self._leases: dict[str, Lease] = {}
         self._released: set[str] = set()
         self._early_notices: dict[str, float] = {}
+        self._transfers: dict[str, str] = {}  # transfer_id -> key, for holds made on a gateway's behalf
         self._completed: list[LoadResult] = []
         self._heartbeats: dict[tuple[str, int], set[str]] = {}
         self._clients: dict[tuple[str, int], SideChannelClient] = {}
@@ -118,6 +126,7 @@ class TransferAgent:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
+        self.on_event: Callable[[], None] = lambda: None  # wakes the engine loop when a transfer event lands
         self._tasks: list[asyncio.Task] = []
         self._server: SideChannelServer | None = None
         self._ctx: zmq.asyncio.Context | None = None
@@ -142,13 +151,36 @@ class TransferAgent:
             plane.stop()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    def hold(self, key: str, token: str, block_ids: list[int]) -> None:
+    def hold(self, key: str, token: str, block_ids: list[int], transfer_id: str | None = None) -> None:
         """Producer: keep these blocks for a consumer until read-done, release or lease expiry."""
         with self._lock:
-            if self._early_notices.pop(key, None) is not None:
+            early = self._early_notices.pop(key, None)
+            if transfer_id is not None:
+                early = self._early_notices.pop(_by_transfer(transfer_id), early)
+            if early is not None:  # the release beat the hold: free at once
                 self._released.add(key)
                 return
-            self._leases[key] = Lease(key, token, frozenset(block_ids), time.monotonic() + self.config.lease_s)
+            self._leases[key] = Lease(key, token, frozenset(block_ids), time.monotonic() + self.config.lease_s,
+                                      transfer_id)
+            if transfer_id is not None:
+                self._transfers[transfer_id] = key
+
+    def release_local(self, key: str | None, token: str, transfer_id: str | None) -> bool:
+        """Producer: free a held transfer on its client's (or gateway's) request. Thread-safe.
+
+        By key and token, or by the gateway's transfer_id (it knows no key if P's answer never reached it).
+        A release that arrives before the hold is remembered and applied when the hold registers.
+        """
+        with self._lock:
+            if key is None and transfer_id is not None:
+                key = self._transfers.get(transfer_id)
+                if key is None:
+                    self._early_notices[_by_transfer(transfer_id)] = time.monotonic()
+                    return False
+        if key is None:
+            return False
+        self.stats.releases_received += 1
+        return self._end_lease(key, token).ok
 
     def take_released(self) -> set[str]:
         with self._lock:
@@ -283,9 +315,16 @@ class TransferAgent:
                 return Ack(ok=True)
             if token and token != lease.token:
                 return Ack(ok=False, error=f"wrong transfer token for {key!r}")
-            del self._leases[key]
-            self._released.add(key)
+            self._drop_lease(key)
+        self.on_event()
         return Ack(ok=True)
+
+    def _drop_lease(self, key: str) -> None:
+        """Callers hold the lock."""
+        lease = self._leases.pop(key)
+        if lease.transfer_id is not None:
+            self._transfers.pop(lease.transfer_id, None)
+        self._released.add(key)
 
     def _renew(self, keys: list[str]) -> Ack:
         now = time.monotonic()
@@ -307,14 +346,15 @@ class TransferAgent:
             with self._lock:
                 expired = [k for k, lease in self._leases.items() if lease.expires_at <= now]
                 for key in expired:
-                    del self._leases[key]
-                    self._released.add(key)
+                    self._drop_lease(key)
                 self.stats.leases_expired += len(expired)
                 stale = [k for k, t in self._early_notices.items() if now - t > _EARLY_NOTICE_TTL_S]
                 for key in stale:
                     del self._early_notices[key]
             for key in expired:
                 log.warning("lease of transfer %s expired; its blocks are freed", key)
+            if expired:
+                self.on_event()
 
     # -- consumer ------------------------------------------------------------------------------------------
     async def peer(self, host: str, port: int, expected_engine_id: str | None) -> _Peer:
@@ -380,43 +420,48 @@ class TransferAgent:
     async def _load(self, job: LoadJob) -> None:
         started = time.monotonic()
         try:
-            nbytes = await asyncio.wait_for(self._load_steps(job), job.deadline_s)
+            nbytes = await asyncio.wait_for(self._read(job), job.deadline_s)
         except (DataPlaneError, SideChannelError, OSError, TimeoutError, ConnectionError, InjectedFault) as exc:
             error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             log.warning("KV load for %s from %s:%d failed: %s", job.request_id, job.host, job.port, error)
             self.stats.loads_failed += 1
-            result = LoadResult(job.request_id, ok=False, error=error)
-            await self._release(job.host, job.port, job.key, job.token, "load failed")
+            self._finish_load(job, LoadResult(job.request_id, ok=False, error=error))
             if isinstance(exc, (SideChannelError, ConnectionError, OSError)):
                 self._drop_peer((job.host, job.port))
-        else:
-            seconds = time.monotonic() - started
-            self.stats.loads_ok += 1
-            self.stats.bytes_received += nbytes
-            self.stats.load_seconds_total += seconds
-            result = LoadResult(job.request_id, ok=True, nbytes=nbytes, seconds=seconds)
+            await self._release(job.host, job.port, job.key, job.token, "load failed")
+            return
+        seconds = time.monotonic() - started
+        self.stats.loads_ok += 1
+        self.stats.bytes_received += nbytes
+        self.stats.load_seconds_total += seconds
+        # The bytes are in place: let the request run now, and tell P afterwards.
+        self._finish_load(job, LoadResult(job.request_id, ok=True, nbytes=nbytes, seconds=seconds))
+        try:
+            done = await self.client(job.host, job.port).request(ReadDone(key=job.key, token=job.token),
+                                                                 self.config.message_timeout_s)
+            if isinstance(done, Ack) and not done.ok:
+                log.warning("producer did not accept read-done for %s: %s", job.key, done.error)
+        except (SideChannelError, OSError, TimeoutError) as exc:
+            log.warning("read-done for %s not delivered (%s); P's lease will expire", job.key, exc)
+
+    def _finish_load(self, job: LoadJob, result: LoadResult) -> None:
         self.unwatch(job.host, job.port, job.key)
         with self._lock:
             self._completed.append(result)
+        self.on_event()
 
-    async def _load_steps(self, job: LoadJob) -> int:
+    async def _read(self, job: LoadJob) -> int:
         peer = await self.peer(job.host, job.port, job.engine_id)
-        client = self.client(job.host, job.port)
-        timeout = self.config.message_timeout_s
-        grant = await client.request(ReadGrant(key=job.key, token=job.token, block_ids=list(job.remote_block_ids)),
-                                          timeout)
+        grant = await self.client(job.host, job.port).request(
+            ReadGrant(key=job.key, token=job.token, block_ids=list(job.remote_block_ids)), self.config.message_timeout_s)
         if not isinstance(grant, Ack) or not grant.ok:
             raise DataPlaneError(getattr(grant, "error", "") or "the producer refused the read")
         stall = self.faults.before_transfer("read")
         if stall:
             await asyncio.sleep(stall)
-        nbytes = await asyncio.get_running_loop().run_in_executor(
+        return await asyncio.get_running_loop().run_in_executor(
             self._executor, peer.channel.read_blocks, job.key, job.token, list(job.remote_block_ids),
             list(job.local_block_ids))
-        done = await client.request(ReadDone(key=job.key, token=job.token), timeout)
-        if isinstance(done, Ack) and not done.ok:
-            log.warning("producer did not accept read-done for %s: %s", job.key, done.error)
-        return nbytes
 
     async def _release(self, host: str, port: int, key: str, token: str, reason: str) -> None:
         try:

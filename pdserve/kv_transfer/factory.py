@@ -10,7 +10,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,8 @@ from pdserve.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker
 from pdserve.kv_transfer.data_plane import DataPlane, make_data_plane
 from pdserve.kv_transfer.faults import resolve_fault_config
 from pdserve.kv_transfer.messages import PROTOCOL_VERSION
-from pdserve.kv_transfer.params import KVParamsError, RemotePrefill, parse_kv_params
+from pdserve.kv_transfer.decode_first import DecodeFirstClient
+from pdserve.kv_transfer.params import DecodeFirst, KVParamsError, RemotePrefill, parse_kv_params
 from pdserve.kv_transfer.pd_connector import PdConnectorScheduler, PdConnectorWorker, ProducerIdentity
 from pdserve.models.config import read_config_json, text_config_of
 from pdserve.models.loader import checkpoint_files
@@ -47,6 +48,7 @@ class ConnectorBundle:
     engine_id: str
     max_blocks: int
     pool_owner: str
+    decode_first: DecodeFirstClient = field(default_factory=DecodeFirstClient)
 
     def kv_allocator(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         kv = self.planes[self.pool_owner].allocate(shape, dtype)
@@ -56,11 +58,13 @@ class ConnectorBundle:
         return kv
 
     async def start(self, async_engine: Any, advertised_host: str) -> None:
+        self.agent.on_event = async_engine.wake
         self.agent.start()
         if isinstance(self.scheduler, PdConnectorScheduler):
             self.scheduler.identity = ProducerIdentity(self.engine_id, self.agent.config.host, self.agent.port)
 
     async def stop(self) -> None:
+        self.decode_first.close()
         self.agent.stop()
 
     def check_request_params(self, params: dict[str, Any] | None, num_sequences: int) -> dict[str, Any] | None:
@@ -72,6 +76,26 @@ class ConnectorBundle:
             self.reject(params, "n > 1 or batched prompts")
             raise KVParamsRejected("kv_transfer_params need a single prompt with n = 1")
         return params
+
+    async def prepare_request_params(self, params: dict[str, Any] | None, prompt_token_ids: list[int]
+                                     ) -> dict[str, Any] | None:
+        """Decode-first: ask the named prefill instance to prefill (and hold) this prompt, then pull from it."""
+        try:
+            parsed = parse_kv_params(params, self.max_blocks)
+        except KVParamsError as exc:
+            raise KVParamsRejected(str(exc)) from exc
+        if not isinstance(parsed, DecodeFirst):
+            return params
+        return await self.decode_first.prefill(parsed, prompt_token_ids)
+
+    def release_local(self, params: dict[str, Any]) -> bool:
+        """`POST /v1/kv/release` on a producer: free held KV by (remote_request_id, token) or by transfer_id."""
+        key = params.get("remote_request_id")
+        transfer_id = params.get("transfer_id")
+        if not isinstance(key, str) and not isinstance(transfer_id, str):
+            raise KVParamsRejected("a release names remote_request_id (with transfer_token) or transfer_id")
+        return self.agent.release_local(key if isinstance(key, str) else None, str(params.get("transfer_token") or ""),
+                                        transfer_id if isinstance(transfer_id, str) else None)
 
     def reject(self, params: dict[str, Any] | None, reason: str) -> None:
         """A request with remote KV was refused before admission: tell P to free its blocks now."""
@@ -95,6 +119,8 @@ class ConnectorBundle:
             "counter pdserve:kv_read_done_received": s.read_done_received,
             "counter pdserve:kv_handshake_refusals": s.handshake_refusals,
             "gauge pdserve:kv_leases_held": self.agent.num_leases(),
+            "counter pdserve:decode_first_prefills": self.decode_first.prefills,
+            "counter pdserve:decode_first_fallbacks": self.decode_first.fallbacks,
         }
 
     def ready_fields(self) -> dict[str, Any]:

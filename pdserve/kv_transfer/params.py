@@ -38,6 +38,14 @@ class RemotePrefill:
     num_tokens: int | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeFirst:
+    """Decode-first mode: this (decode) instance must ask the prefill instance at `prefill_url` itself."""
+
+    prefill_url: str
+    transfer_id: str | None
+
+
 def _flat_block_ids(value: Any, limit: int) -> tuple[int, ...]:
     if isinstance(value, list) and value and all(isinstance(g, list) for g in value):
         if len(value) != 1:
@@ -72,7 +80,8 @@ def _port(params: dict[str, Any]) -> int:
     return port
 
 
-def parse_kv_params(params: dict[str, Any] | None, max_blocks: int) -> RemoteDecode | RemotePrefill | None:
+def parse_kv_params(params: dict[str, Any] | None, max_blocks: int
+                    ) -> RemoteDecode | RemotePrefill | DecodeFirst | None:
     """None for an ordinary request; raises KVParamsError for anything malformed."""
     if params is None:
         return None
@@ -87,6 +96,11 @@ def parse_kv_params(params: dict[str, Any] | None, max_blocks: int) -> RemoteDec
         return RemoteDecode(transfer_id)
     if not remote_prefill:
         return None
+    if "remote_prefill_url" in params:
+        url = _text(params, "remote_prefill_url")
+        if not url.startswith("http://"):
+            raise KVParamsError("kv_transfer_params.remote_prefill_url must be an http:// URL")
+        return DecodeFirst(url.rstrip("/"), transfer_id)
     tp_size = params.get("tp_size", 1)
     if tp_size not in (1, None):
         raise KVParamsError(f"tp_size {tp_size} is not supported (pdserve instances have one KV shard)")

@@ -31,6 +31,7 @@ class HoldSpec:
     key: str
     token: str
     block_ids: tuple[int, ...]
+    transfer_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +171,7 @@ class PdConnectorScheduler(KVConnectorScheduler):
         num_blocks = cdiv(request.num_prompt_tokens, self.block_size)
         held = tuple(block_ids[:num_blocks])
         token = secrets.token_hex(16)
-        self._pending.holds.append(HoldSpec(request.request_id, token, held))
+        self._pending.holds.append(HoldSpec(request.request_id, token, held, parsed.transfer_id))
         params = {
             "do_remote_prefill": True, "do_remote_decode": False,
             "remote_block_ids": [list(held)], "remote_engine_id": self.identity.engine_id,
@@ -211,7 +212,7 @@ class PdConnectorWorker(KVConnectorWorker):
         for w in meta.unwatch:
             self.agent.unwatch(w.host, w.port, w.key)
         for hold in meta.holds:
-            self.agent.hold(hold.key, hold.token, list(hold.block_ids))
+            self.agent.hold(hold.key, hold.token, list(hold.block_ids), hold.transfer_id)
         for job in meta.loads:
             self.agent.submit_load(job)
         for r in meta.releases:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +33,8 @@ _json = msgspec.json.Encoder()
 KVParamsCheck = Callable[[dict[str, Any] | None, int], dict[str, Any] | None]
 # Told when a request carrying kv_transfer_params is refused before it reaches the engine.
 KVParamsReject = Callable[[dict[str, Any] | None, str], None]
+# Turns parameters that need work before admission (decode-first: ask P to prefill) into loadable ones.
+KVParamsPrepare = Callable[[dict[str, Any] | None, list[int]], Awaitable[dict[str, Any] | None]]
 
 
 @dataclass(slots=True)
@@ -56,13 +58,15 @@ class _Sequence:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, model_name: str, tokenizer: Tokenizer, max_model_len: int,
-                 check_kv_params: KVParamsCheck | None = None, reject_kv_params: KVParamsReject | None = None) -> None:
+                 check_kv_params: KVParamsCheck | None = None, reject_kv_params: KVParamsReject | None = None,
+                 prepare_kv_params: KVParamsPrepare | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.check_kv_params = check_kv_params or (lambda params, n: params)
         self.reject_kv_params = reject_kv_params or (lambda params, reason: None)
+        self.prepare_kv_params = prepare_kv_params
 
     # -- entry points -----------------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, external_id: str,
@@ -149,6 +153,8 @@ class OpenAIServing:
         n = params[0].n
         try:
             kv_params = self.check_kv_params(body.kv_transfer_params, len(prompts) * n)
+            if kv_params is not None and self.prepare_kv_params is not None:
+                kv_params = await self.prepare_kv_params(kv_params, prompts[0].token_ids)
         except ValueError as exc:
             raise bad_request(str(exc), "kv_transfer_params") from exc
         sequences: list[_Sequence] = []

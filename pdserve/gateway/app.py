@@ -1,0 +1,153 @@
+"""The gateway's HTTP front: a plain ASGI app (no framework; measured in docs/decisions.md), served by uvicorn."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import msgspec
+
+from pdserve.gateway.service import Gateway
+from pdserve.ids import new_external_request_id
+from pdserve.server.errors import error_body
+
+log = logging.getLogger(__name__)
+_encode = msgspec.json.Encoder().encode
+_PROXIED = ("/v1/completions", "/v1/chat/completions")
+MAX_BODY_BYTES = 64 << 20
+
+
+async def _read_body(receive: Any) -> bytes:
+    chunks = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ConnectionAbortedError
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise ValueError("request body too large")
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+async def _respond(send: Any, status: int, body: bytes, content_type: bytes = b"application/json",
+                   headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", content_type), *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _error(send: Any, status: int, message: str) -> None:
+    await _respond(send, status, _encode(error_body(status, message)))
+
+
+async def _until_disconnect(receive: Any, work: Any) -> None:
+    """Run the proxying; if the client leaves first, cancel it (which cancels the legs and frees held KV)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(receive))
+    await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    watcher.cancel()
+    if not task.done():
+        task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+
+
+async def _wait_disconnect(receive: Any) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def build_app(gateway: Gateway) -> Any:
+    async def app(scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        path, method = scope["path"], scope["method"]
+        if path in _PROXIED:
+            if method != "POST":
+                await _error(send, 405, f"{method} is not allowed on {path}")
+                return
+            await proxy(scope, receive, send, path)
+        elif path == "/health":
+            if gateway.ready:
+                await _respond(send, 200, b"")
+            else:
+                await _error(send, 503, f"no usable {'/'.join(gateway.forwarder.roles)} instances")
+        elif path == "/metrics":
+            await _respond(send, 200, gateway.metrics.render(), b"text/plain; version=0.0.4; charset=utf-8")
+        elif path == "/v1/models":
+            await models(send)
+        elif path in ("/register", "/deregister") and method == "POST":
+            await membership(receive, send, path)
+        elif path == "/instances":
+            await _respond(send, 200, _encode([{"url": i.url, "role": i.role, "healthy": i.healthy,
+                                                "in_flight": i.in_flight, "load": i.load}
+                                               for i in gateway.registry.instances.values()]))
+        else:
+            await _error(send, 404, f"no route {method} {path}")
+
+    async def proxy(scope: dict, receive: Any, send: Any, path: str) -> None:
+        try:
+            raw = await _read_body(receive)
+        except ConnectionAbortedError:
+            return
+        except ValueError as exc:
+            await _error(send, 413, str(exc))
+            return
+        try:
+            body = msgspec.json.decode(raw)
+        except msgspec.DecodeError as exc:
+            await _error(send, 400, f"malformed JSON body: {exc}")
+            return
+        if not isinstance(body, dict):
+            await _error(send, 400, "the request body must be a JSON object")
+            return
+        if "kv_transfer_params" in body and not gateway.config.allow_client_kv_params:
+            del body["kv_transfer_params"]  # only the gateway decides where KV comes from
+        request_id = _header(scope, b"x-request-id") or new_external_request_id()
+        await _until_disconnect(receive, gateway.handle(path, body, request_id, send))
+
+    async def models(send: Any) -> None:
+        for role in ("both", "decode", "prefill"):
+            for instance in gateway.registry.usable(role):
+                try:
+                    response = await instance.pool.request("GET", "/v1/models", connect_timeout=2, header_timeout=5)
+                    body = await response.read(5)
+                except (ConnectionError, TimeoutError):
+                    continue
+                if response.status == 200:
+                    await _respond(send, 200, body)
+                    return
+        await _error(send, 503, "no instance could list its models")
+
+    async def membership(receive: Any, send: Any, path: str) -> None:
+        try:
+            data = msgspec.json.decode(await _read_body(receive))
+            url = data["url"]
+            if path == "/register":
+                instance = gateway.registry.add(url, data.get("role", "both"))
+                await gateway.registry.probe_all()
+                await _respond(send, 200, _encode({"url": instance.url, "role": instance.role,
+                                                   "healthy": instance.healthy}))
+            else:
+                removed = gateway.registry.remove(url)
+                await _respond(send, 200 if removed else 404, _encode({"url": url, "removed": removed}))
+        except (msgspec.DecodeError, KeyError, TypeError, ValueError) as exc:
+            await _error(send, 400, f"expected {{\"url\": ..., \"role\": ...}}: {exc}")
+        except ConnectionAbortedError:
+            return
+
+    return app
+
+
+def _header(scope: dict, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return None

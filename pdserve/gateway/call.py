@@ -1,0 +1,294 @@
+"""One client request across its legs: the leg-aware state machine.
+
+    CREATED -> PREFILL_SENT -> KV_HELD -> DECODE_SENT -> STREAMING -> DONE
+                    any stage -> FAILED | CANCELLED
+
+A leg that fails before the client saw a byte may be retried (fresh pair, fresh transfer_id). Whatever ends a
+request — failure, client disconnect, deadline — cancels the live leg (closing its connection aborts it on the
+instance) and, if P holds KV for a decode that will not happen, frees it at once with an explicit message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from pdserve.gateway.registry import Instance
+from pdserve.ids import TransferId, new_transfer_id
+from pdserve.net.http_client import Response, UpstreamError, UpstreamTimeout
+
+if TYPE_CHECKING:
+    from pdserve.gateway.service import Gateway
+
+log = logging.getLogger(__name__)
+_encode = msgspec.json.Encoder().encode
+_decode = msgspec.json.decode
+
+
+class Stage(enum.Enum):
+    CREATED = "created"
+    PREFILL_SENT = "prefill_sent"
+    KV_HELD = "kv_held"
+    DECODE_SENT = "decode_sent"
+    STREAMING = "streaming"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True, slots=True)
+class Deadlines:
+    connect_s: float = 3.0
+    prefill_s: float = 300.0  # P's whole answer
+    first_token_s: float = 300.0  # D's first byte
+    idle_s: float = 60.0  # between two chunks of D's answer
+
+
+class LegError(Exception):
+    """A leg failed. `retryable` says whether another pair could succeed; `status`/`body` are passed to the
+    client when the instance's own answer is the clearest error (e.g. a 400 about the prompt)."""
+
+    def __init__(self, leg: str, reason: str, message: str, *, status: int = 502, body: bytes | None = None,
+                 retryable: bool = True, instance: Instance | None = None) -> None:
+        super().__init__(message)
+        self.leg = leg
+        self.reason = reason
+        self.status = status
+        self.body = body
+        self.retryable = retryable
+        self.instance = instance
+
+
+@dataclass(eq=False)
+class Call:
+    gateway: Gateway
+    path: str
+    body: dict[str, Any]
+    request_id: str
+    send: Any  # the ASGI send callable
+    stream: bool
+    started: float = field(default_factory=time.monotonic)
+    stage: Stage = Stage.CREATED
+    attempt: int = 0
+    transfer_id: TransferId = field(default_factory=new_transfer_id)
+    first_byte_sent: bool = False
+    excluded: set[str] = field(default_factory=set)
+    picks: dict[str, Instance] = field(default_factory=dict)
+    held: tuple[Instance, dict[str, Any]] | None = None  # P's KV awaiting D's admission
+    prefill_usage: dict[str, Any] | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    _counted: list[Instance] = field(default_factory=list)
+    _upstream: list[Response] = field(default_factory=list)
+
+    # -- attempts -------------------------------------------------------------------------------------------
+    def new_attempt(self) -> None:
+        self.attempt += 1
+        self.transfer_id = new_transfer_id()
+        self.picks = {}
+        self.held = None
+        self.prefill_usage = None
+        self.stage = Stage.CREATED
+
+    def end_attempt(self) -> None:
+        """Cancel whatever is still live and give back everything this attempt took (idempotent)."""
+        for response in self._upstream:
+            response.abort()
+        self._upstream.clear()
+        for instance in self._counted:
+            instance.in_flight -= 1
+        self._counted.clear()
+        if self.held is not None:
+            instance, params = self.held
+            self.held = None
+            self.gateway.release_kv(instance, params, self.transfer_id)
+
+    # -- picking --------------------------------------------------------------------------------------------
+    def pick(self, role: str) -> Instance:
+        instance = self.gateway.pick(role, self.excluded, self.affinity())
+        self.picks[role] = instance
+        return instance
+
+    def affinity(self) -> bytes:
+        prompt = self.body.get("prompt")
+        if prompt is None:
+            prompt = self.body.get("messages")
+        return _encode(prompt)[:256] if prompt is not None else b""
+
+    # -- legs -----------------------------------------------------------------------------------------------
+    async def call_json(self, leg: str, instance: Instance, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """A leg whose whole JSON answer is needed (a prefill)."""
+        response = await self._send(leg, instance, body, timeout)
+        try:
+            raw = await response.read(timeout)
+        except (UpstreamError, UpstreamTimeout) as exc:
+            raise self._leg_error(leg, instance, exc) from exc
+        finally:
+            self._forget(response, instance)
+        if response.status != 200:
+            raise self._status_error(leg, instance, response.status, raw)
+        try:
+            return _decode(raw)
+        except msgspec.DecodeError as exc:
+            raise LegError(leg, "bad_response", f"{leg} instance answered invalid JSON", instance=instance) from exc
+
+    async def relay(self, leg: str, instance: Instance, body: dict[str, Any]) -> None:
+        """The leg whose answer goes to the client: SSE passes through as it arrives; JSON gets merged usage."""
+        d = self.gateway.deadlines
+        sent_at = time.monotonic()
+        response = await self._send(leg, instance, body, d.first_token_s)
+        try:
+            if response.status != 200:
+                raw = await response.read(d.first_token_s)
+                raise self._status_error(leg, instance, response.status, raw)
+            self.held = None  # D admitted the request: releasing P's KV is now D's business (read-done or abort)
+            self.stage = Stage.STREAMING
+            if self.stream:
+                await self._relay_stream(leg, instance, response, sent_at)
+            else:
+                raw = await response.read(d.first_token_s)
+                self.timings["decode_first_token"] = time.monotonic() - sent_at
+                await self.respond_json(200, self.merge_usage(raw))
+        except (UpstreamError, UpstreamTimeout) as exc:
+            raise self._leg_error(leg, instance, exc) from exc
+        finally:
+            self._forget(response, instance)
+        self.stage = Stage.DONE
+
+    async def _relay_stream(self, leg: str, instance: Instance, response: Response, sent_at: float) -> None:
+        await self.start_response(200, b"text/event-stream")
+        framer = SSEFramer()
+        async for chunk in response.chunks(self.gateway.deadlines.idle_s):
+            if "decode_first_token" not in self.timings:
+                self.timings["decode_first_token"] = time.monotonic() - sent_at
+            events = framer.feed(chunk)
+            if events:
+                await self.write(self.rewrite_usage(events))
+        rest = framer.flush()
+        if rest:
+            await self.write(rest)
+        await self.finish()
+
+    async def _send(self, leg: str, instance: Instance, body: dict[str, Any], header_timeout: float) -> Response:
+        instance.in_flight += 1
+        self._counted.append(instance)
+        headers = [(b"content-type", b"application/json"), (b"x-request-id", self.request_id.encode())]
+        try:
+            response = await instance.pool.request("POST", self.path, _encode(body), headers,
+                                                   connect_timeout=self.gateway.deadlines.connect_s,
+                                                   header_timeout=header_timeout)
+        except (UpstreamError, UpstreamTimeout) as exc:
+            self._uncount(instance)
+            if isinstance(exc, UpstreamError):
+                self.gateway.registry.report_failure(instance)
+            raise self._leg_error(leg, instance, exc) from exc
+        self._upstream.append(response)
+        return response
+
+    def _forget(self, response: Response, instance: Instance) -> None:
+        if response in self._upstream:
+            self._upstream.remove(response)
+        self._uncount(instance)
+
+    def _uncount(self, instance: Instance) -> None:
+        if instance in self._counted:
+            self._counted.remove(instance)
+            instance.in_flight -= 1
+
+    def _leg_error(self, leg: str, instance: Instance, exc: Exception) -> LegError:
+        if isinstance(exc, UpstreamTimeout):
+            return LegError(leg, "timeout", f"{leg} instance {instance.url}: {exc}", status=504, instance=instance)
+        return LegError(leg, "connection", f"{leg} instance {instance.url}: {exc}", status=502, instance=instance)
+
+    def _status_error(self, leg: str, instance: Instance, status: int, raw: bytes) -> LegError:
+        # A 4xx is about the request itself: another pair would refuse it too, and its message is the answer.
+        retryable = status >= 500
+        reason = f"status_{status}"
+        return LegError(leg, reason, f"{leg} instance {instance.url} answered {status}", status=status,
+                        body=raw if status < 500 else None, retryable=retryable, instance=instance)
+
+    # -- writing to the client ------------------------------------------------------------------------------
+    async def start_response(self, status: int, content_type: bytes) -> None:
+        self.first_byte_sent = True
+        await self.send({"type": "http.response.start", "status": status,
+                         "headers": [(b"content-type", content_type), (b"x-request-id", self.request_id.encode())]})
+
+    async def write(self, data: bytes) -> None:
+        await self.send({"type": "http.response.body", "body": data, "more_body": True})
+
+    async def finish(self) -> None:
+        await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def respond_json(self, status: int, body: bytes) -> None:
+        self.first_byte_sent = True
+        await self.send({"type": "http.response.start", "status": status,
+                         "headers": [(b"content-type", b"application/json"),
+                                     (b"x-request-id", self.request_id.encode())]})
+        await self.send({"type": "http.response.body", "body": body, "more_body": False})
+
+    # -- usage: prompt and cached tokens from P, completion tokens from D ----------------------------------
+    def merge_usage(self, raw: bytes) -> bytes:
+        if self.prefill_usage is None:
+            return raw
+        try:
+            data = _decode(raw)
+        except msgspec.DecodeError:
+            return raw
+        if isinstance(data, dict) and isinstance(data.get("usage"), dict):
+            data["usage"] = merged_usage(self.prefill_usage, data["usage"])
+            return _encode(data)
+        return raw
+
+    def rewrite_usage(self, events: bytes) -> bytes:
+        if self.prefill_usage is None or b'"usage"' not in events:
+            return events
+        out = []
+        for event in events.split(b"\n\n"):
+            if event.startswith(b"data: {") and _carries_usage(event):
+                try:
+                    data = _decode(event[6:])
+                    data["usage"] = merged_usage(self.prefill_usage, data["usage"])
+                    event = b"data: " + _encode(data)
+                except (msgspec.DecodeError, TypeError, KeyError):
+                    pass
+            out.append(event)
+        return b"\n\n".join(out)
+
+
+def _carries_usage(event: bytes) -> bool:
+    """Only events with a usage object are parsed; most chunks have none, or `"usage": null`."""
+    at = event.find(b'"usage"')
+    return at >= 0 and event[at + 7:at + 16].lstrip(b": ").startswith(b"{")
+
+
+def merged_usage(prefill: dict[str, Any], decode: dict[str, Any]) -> dict[str, Any]:
+    prompt = prefill.get("prompt_tokens", decode.get("prompt_tokens", 0))
+    completion = decode.get("completion_tokens", 0)
+    cached = (prefill.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {**decode, "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {**(decode.get("prompt_tokens_details") or {}), "cached_tokens": cached}}
+
+
+class SSEFramer:
+    """Splits a byte stream into whole SSE events so each can be forwarded (or patched) as soon as complete."""
+
+    def __init__(self) -> None:
+        self._partial = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self._partial + chunk
+        cut = data.rfind(b"\n\n")
+        if cut < 0:
+            self._partial = data
+            return b""
+        self._partial = data[cut + 2:]
+        return data[:cut + 2]
+
+    def flush(self) -> bytes:
+        rest, self._partial = self._partial, b""
+        return rest

@@ -1,0 +1,127 @@
+"""PD protocols: one Forwarder per protocol, each owning its leg bodies, its dispatch pattern and what passes
+between legs (Llumnix's forwarder registry, seed 003)."""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+from pdserve.gateway.call import Call, Stage
+from pdserve.gateway.registry import Instance
+
+_PREFILL_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens")
+
+
+class Forwarder(ABC):
+    name: ClassVar[str]
+    dispatch: ClassVar[str]  # "single", "serial" or "parallel"
+    scheduling_modes: ClassVar[frozenset[str]]
+    roles: ClassVar[tuple[str, ...]]  # which kinds of instance a request needs
+
+    @abstractmethod
+    async def run(self, call: Call) -> None:
+        """Run one attempt: the legs, in this protocol's order, ending with the client's answer."""
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.dispatch}; scheduling: {', '.join(sorted(self.scheduling_modes))})"
+
+
+def prefill_body(body: dict[str, Any], transfer_id: str) -> dict[str, Any]:
+    """vLLM NIXL's prefill leg: one token, no stream, no min_tokens, and a request to hold the KV."""
+    out = {k: v for k, v in body.items() if k not in _PREFILL_DROPPED}
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in body:
+        out["max_completion_tokens"] = 1
+    out["stream"] = False
+    out["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}
+    return out
+
+
+def with_kv_params(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    return {**body, "kv_transfer_params": params}
+
+
+class Colocated(Forwarder):
+    name = "colocated"
+    dispatch = "single"
+    scheduling_modes = frozenset({"batch", "staged"})
+    roles = ("both",)
+
+    async def run(self, call: Call) -> None:
+        await call.relay("colocated", call.pick("both"), call.body)
+
+
+class Pull(Forwarder):
+    """Serial, vLLM NIXL style: P prefills and holds, then D pulls P's blocks with the parameters P returned."""
+
+    name = "pull"
+    dispatch = "serial"
+    scheduling_modes = frozenset({"batch", "staged"})
+    roles = ("prefill", "decode")
+
+    async def run(self, call: Call) -> None:
+        gw = call.gateway
+        staged = gw.scheduling == "staged"
+        decode = None if staged else call.pick("decode")
+        if decode is not None and not gw.conditional.use_remote_prefill(call, decode):
+            await call.relay("decode", decode, call.body)
+            return
+        prefill = call.pick("prefill")
+        call.stage = Stage.PREFILL_SENT
+        started = time.monotonic()
+        answer = await call.call_json("prefill", prefill, prefill_body(call.body, call.transfer_id),
+                                      gw.deadlines.prefill_s)
+        call.timings["prefill"] = time.monotonic() - started
+        call.timings["kv_ready"] = time.monotonic() - call.started
+        params = answer.get("kv_transfer_params")
+        if decode is None:
+            decode = call.pick("decode")  # staged: chosen now, on the freshest load
+        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+            # Visible, not silent: counted, and D computes the prompt itself.
+            gw.metrics.decision("local_prefill", "prefill_returned_no_kv_params")
+            await call.relay("decode", decode, call.body)
+            return
+        call.held = (prefill, params)
+        call.prefill_usage = answer.get("usage")
+        call.stage = Stage.KV_HELD
+        call.stage = Stage.DECODE_SENT
+        await call.relay("decode", decode, with_kv_params(call.body, params))
+
+
+class DecodeFirst(Forwarder):
+    """Single stage (Llumnix vllm-kvt style): only D gets the request, with P's address; D asks P to prefill."""
+
+    name = "decode-first"
+    dispatch = "single"
+    scheduling_modes = frozenset({"batch"})
+    roles = ("prefill", "decode")
+
+    async def run(self, call: Call) -> None:
+        gw = call.gateway
+        decode = call.pick("decode")
+        if not gw.conditional.use_remote_prefill(call, decode):
+            await call.relay("decode", decode, call.body)
+            return
+        prefill = call.pick("prefill")
+        params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_prefill_url": prefill.url,
+                  "transfer_id": call.transfer_id}
+        call.stage = Stage.DECODE_SENT
+        await call.relay("decode", decode, with_kv_params(call.body, params))
+
+
+FORWARDERS: dict[str, type[Forwarder]] = {f.name: f for f in (Pull, DecodeFirst, Colocated)}
+
+
+def make_forwarder(protocol: str, scheduling: str) -> Forwarder:
+    cls = FORWARDERS.get(protocol)
+    if cls is None:
+        supported = "; ".join(f().describe() for f in FORWARDERS.values())
+        raise ValueError(f"unknown protocol {protocol!r}; supported: {supported}")
+    if scheduling not in cls.scheduling_modes:
+        raise ValueError(f"protocol {protocol!r} does not support {scheduling!r} scheduling; it supports: "
+                         f"{', '.join(sorted(cls.scheduling_modes))}")
+    return cls()
+
+
+__all__ = ["FORWARDERS", "Forwarder", "Instance", "make_forwarder", "prefill_body", "with_kv_params"]

@@ -1,0 +1,65 @@
+"""The gateway's Prometheus metrics: per-leg latencies, retries, cancellations, failures, decisions, load."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from pdserve.gateway.registry import Registry
+
+_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+            300.0)
+
+
+class _InstanceCollector:
+    def __init__(self, registry: Registry, protocol: Callable[[], str]) -> None:
+        self.registry = registry
+        self.protocol = protocol
+
+    def collect(self):
+        in_flight = GaugeMetricFamily("pdserve:gateway_in_flight", "Requests the gateway has on each instance.",
+                                      labels=["instance", "role"])
+        healthy = GaugeMetricFamily("pdserve:gateway_instance_healthy", "1 if the instance passes health checks.",
+                                    labels=["instance", "role"])
+        load = GaugeMetricFamily("pdserve:gateway_instance_load", "Load score used by least_loaded.",
+                                 labels=["instance", "role"])
+        for instance in list(self.registry.instances.values()):
+            labels = [instance.url, instance.role]
+            in_flight.add_metric(labels, instance.in_flight)
+            healthy.add_metric(labels, 1.0 if instance.healthy else 0.0)
+            load.add_metric(labels, instance.load)
+        yield in_flight
+        yield healthy
+        yield load
+
+
+class GatewayMetrics:
+    def __init__(self, registry: Registry, protocol: str) -> None:
+        self.prom = CollectorRegistry(auto_describe=True)
+        r = self.prom
+        self.protocol = protocol
+        self.requests = Counter("pdserve:gateway_requests", "Client requests by outcome.", ["protocol", "outcome"],
+                                registry=r)
+        self.leg_seconds = Histogram("pdserve:gateway_leg_seconds",
+                                     "Per-leg latency: prefill (P's whole answer), kv_ready (arrival to P's answer), "
+                                     "decode_first_token (D's first byte after it was sent), e2e.", ["leg"],
+                                     buckets=_BUCKETS, registry=r)
+        self.retries = Counter("pdserve:gateway_retries", "Attempts retried on a fresh pair.", ["leg", "reason"],
+                               registry=r)
+        self.failures = Counter("pdserve:gateway_leg_failures", "Failed legs by leg and reason.", ["leg", "reason"],
+                                registry=r)
+        self.cancellations = Counter("pdserve:gateway_cancellations", "Requests the client abandoned, by stage.",
+                                     ["stage"], registry=r)
+        self.kv_releases = Counter("pdserve:gateway_kv_releases", "Explicit frees of P's held KV.", ["reason"],
+                                   registry=r)
+        self.decisions = Counter("pdserve:gateway_disagg_decisions", "Remote or local prefill, with the reason.",
+                                 ["decision", "reason"], registry=r)
+        r.register(_InstanceCollector(registry, lambda: protocol))
+
+    def decision(self, decision: str, reason: str) -> None:
+        self.decisions.labels(decision, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.prom)

@@ -1,0 +1,164 @@
+"""The gateway's view of its instances: role, health, load (scraped) and in-flight requests (its own count).
+
+Instances can be added and removed at run time. Health comes from periodic probes of /health and from the
+requests themselves (a connection failure marks an instance down at once); load from /metrics scraped at a
+short interval, plus the gateway's own in-flight accounting, which is released the moment a leg ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from pdserve.net.http_client import HttpClient, HttpPool, UpstreamError, UpstreamTimeout
+
+log = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode", "both")
+_LOAD_METRICS = {b"vllm:num_requests_running": "running", b"vllm:num_requests_waiting": "waiting",
+                 b"vllm:kv_cache_usage_perc": "kv_usage"}
+
+
+@dataclass(eq=False)
+class Instance:
+    url: str
+    role: str
+    pool: HttpPool
+    healthy: bool = False
+    consecutive_failures: int = 0
+    in_flight: int = 0
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+    last_scrape: float = 0.0
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def load(self) -> float:
+        """Requests the instance is busy with: the freshest of its own report and our count, plus queue depth."""
+        return max(self.running, self.in_flight) + self.waiting + self.kv_usage
+
+    def serves(self, role: str) -> bool:
+        return self.role == role or self.role == "both"
+
+
+class Registry:
+    def __init__(self, client: HttpClient, probe_interval_s: float = 1.0, scrape_interval_s: float = 0.2,
+                 failure_threshold: int = 2) -> None:
+        self.client = client
+        self.instances: dict[str, Instance] = {}
+        self.probe_interval_s = probe_interval_s
+        self.scrape_interval_s = scrape_interval_s
+        self.failure_threshold = failure_threshold
+        self._tasks: list[asyncio.Task] = []
+
+    # -- membership ---------------------------------------------------------------------------------------
+    def add(self, url: str, role: str) -> Instance:
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}; choose one of {', '.join(ROLES)}")
+        url = url.rstrip("/")
+        parts = urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname or not parts.port:
+            raise ValueError(f"instance URL must look like http://host:port, got {url!r}")
+        existing = self.instances.get(url)
+        if existing is not None:
+            existing.role = role
+            return existing
+        instance = Instance(url=url, role=role, pool=self.client.pool(parts.hostname, parts.port))
+        self.instances[url] = instance
+        log.info("registered %s instance %s", role, url)
+        return instance
+
+    def remove(self, url: str) -> bool:
+        instance = self.instances.pop(url.rstrip("/"), None)
+        if instance is not None:
+            log.info("deregistered %s", instance.url)
+        return instance is not None
+
+    def usable(self, role: str) -> list[Instance]:
+        return [i for i in self.instances.values() if i.healthy and i.serves(role)]
+
+    def has_route(self, needs: tuple[str, ...]) -> bool:
+        return all(self.usable(role) for role in needs)
+
+    # -- passive health -----------------------------------------------------------------------------------
+    def report_failure(self, instance: Instance) -> None:
+        """A request could not reach the instance: stop sending it traffic until a probe succeeds."""
+        instance.consecutive_failures += 1
+        if instance.healthy:
+            log.warning("instance %s marked down after a failed request", instance.url)
+        instance.healthy = False
+
+    # -- background probes --------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._probe_loop()), asyncio.create_task(self._scrape_loop())]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def probe_all(self) -> None:
+        await asyncio.gather(*(self._probe(i) for i in list(self.instances.values())))
+
+    async def _probe_loop(self) -> None:
+        while True:
+            await self.probe_all()
+            await asyncio.sleep(self.probe_interval_s)
+
+    async def _probe(self, instance: Instance) -> None:
+        try:
+            response = await instance.pool.request("GET", "/health", connect_timeout=1.0, header_timeout=2.0)
+            await response.read(timeout=2.0)
+            ok = response.status == 200
+        except (UpstreamError, UpstreamTimeout, OSError):
+            ok = False
+        if ok:
+            if not instance.healthy:
+                log.info("instance %s is up", instance.url)
+            instance.healthy, instance.consecutive_failures = True, 0
+        else:
+            instance.consecutive_failures += 1
+            if instance.consecutive_failures >= self.failure_threshold and instance.healthy:
+                log.warning("instance %s failed %d health checks; marked down", instance.url,
+                            instance.consecutive_failures)
+                instance.healthy = False
+
+    async def _scrape_loop(self) -> None:
+        while True:
+            await asyncio.gather(*(self._scrape(i) for i in list(self.instances.values()) if i.healthy))
+            await asyncio.sleep(self.scrape_interval_s)
+
+    async def _scrape(self, instance: Instance) -> None:
+        try:
+            response = await instance.pool.request("GET", "/metrics", connect_timeout=1.0, header_timeout=2.0)
+            text = await response.read(timeout=2.0)
+        except (UpstreamError, UpstreamTimeout, OSError):
+            return
+        values = parse_load_metrics(text)
+        instance.running = values.get("running", instance.running)
+        instance.waiting = values.get("waiting", instance.waiting)
+        instance.kv_usage = values.get("kv_usage", instance.kv_usage)
+        instance.last_scrape = time.monotonic()
+
+
+def parse_load_metrics(text: bytes) -> dict[str, float]:
+    """Sum the few load gauges a router needs from Prometheus text (all label sets)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line[0] == 35:  # '#'
+            continue
+        name_end = line.find(b"{")
+        if name_end < 0:
+            name_end = line.find(b" ")
+        key = _LOAD_METRICS.get(line[:name_end])
+        if key is None:
+            continue
+        try:
+            out[key] = out.get(key, 0.0) + float(line.rsplit(b" ", 1)[1])
+        except ValueError:
+            continue
+    return out

@@ -1,0 +1,331 @@
+"""The gateway with real pdserve instances (and recording fakes of vLLM where vLLM cannot run here)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pdserve.gateway.policies import LeastLoaded, PrefixAware
+from pdserve.gateway.registry import Instance
+from pdserve.launcher import start, start_command, start_instance
+from server_utils import metric_values, sse_events, wait_until_idle
+
+COMMON = ["--max-model-len", "512", "--num-kv-blocks", "192", "--served-model-name", "tiny"]
+FAKE = str(Path(__file__).with_name("fake_vllm.py"))
+SUPPORTED = [("pull", "batch"), ("pull", "staged"), ("decode-first", "batch")]
+
+
+def kv(role: str, **extra) -> str:
+    return json.dumps({"kv_connector": "PdConnector", "kv_role": role, "kv_connector_extra_config": extra})
+
+
+@pytest.fixture(scope="module")
+def cluster(models):
+    model = models("qwen2")
+    procs = []
+    try:
+        for name, role in (("P1", "kv_producer"), ("P2", "kv_producer"), ("D1", "kv_consumer"), ("D2", "kv_consumer")):
+            procs.append(start_instance(model, *COMMON, "--kv-transfer-config", kv(role), name=name))
+        procs.append(start_instance(model, *COMMON, name="C"))
+        yield {p.name: p for p in procs}
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+def gateway(*args: str) -> object:
+    return start("gateway", ["gateway", "--port", "0", "--log-level", "warning", *args])
+
+
+def idle_everywhere(cluster: dict, names=("P1", "P2", "D1", "D2")) -> None:
+    for name in names:
+        wait_until_idle(cluster[name].url)
+        assert metric_values(cluster[name].url).get("pdserve:kv_leases_held", 0) == 0
+
+
+REQUESTS = [
+    ("/v1/completions", {"prompt": "the gateway keeps every leg honest", "max_tokens": 12}),
+    ("/v1/completions", {"prompt": list(range(40, 110)), "max_tokens": 8, "min_tokens": 4}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "why disaggregate?"}], "max_tokens": 10}),
+]
+
+
+def reference(cluster: dict, path: str, body: dict) -> str:
+    data = httpx.post(cluster["C"].url + path, json={**body, "model": "tiny", "temperature": 0, "ignore_eos": True},
+                      timeout=60).json()
+    choice = data["choices"][0]
+    return choice["text"] if "text" in choice else choice["message"]["content"]
+
+
+def via_gateway(url: str, path: str, body: dict, stream: bool) -> str:
+    full = {**body, "model": "tiny", "temperature": 0, "ignore_eos": True}
+    if not stream:
+        r = httpx.post(url + path, json=full, timeout=60)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        return choice["text"] if "text" in choice else choice["message"]["content"]
+    with httpx.stream("POST", url + path, json={**full, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        pieces = []
+        for event in sse_events(r):
+            if "error" in event:  # after the first byte an error can only arrive as an event
+                assert event["error"]["message"] and event["error"]["code"] >= 400
+                raise AssertionError(f"stream ended with an error event: {event['error']['message']}")
+            for c in event["choices"]:
+                pieces.append(c.get("text") or c.get("delta", {}).get("content") or "")
+        return "".join(pieces)
+
+
+@pytest.mark.parametrize("topology", ["1P1D", "2P2D"])
+@pytest.mark.parametrize("protocol,scheduling", SUPPORTED)
+def test_protocols_equal_colocated(cluster, topology, protocol, scheduling):
+    ps = ["P1"] if topology == "1P1D" else ["P1", "P2"]
+    ds = ["D1"] if topology == "1P1D" else ["D1", "D2"]
+    g = gateway("--prefill", *[cluster[p].url for p in ps], "--decode", *[cluster[d].url for d in ds],
+                "--protocol", protocol, "--scheduling", scheduling, "--policy", "round_robin")
+    try:
+        loads_before = sum(metric_values(cluster[d].url)["pdserve:kv_transfer_loads_ok_total"] for d in ds)
+        for path, body in REQUESTS * (2 if topology == "2P2D" else 1):
+            expected = reference(cluster, path, body)
+            for stream in (False, True):
+                assert via_gateway(g.url, path, body, stream) == expected
+        loads = sum(metric_values(cluster[d].url)["pdserve:kv_transfer_loads_ok_total"] for d in ds) - loads_before
+        assert loads == len(REQUESTS) * 2 * (2 if topology == "2P2D" else 1)  # every request really moved KV
+        if topology == "2P2D":  # both pairs served
+            assert all(metric_values(cluster[d].url)["pdserve:kv_transfer_loads_ok_total"] > 0 for d in ds)
+    finally:
+        g.stop()
+    idle_everywhere(cluster)
+
+
+@pytest.mark.parametrize("scheduling", ["batch", "staged"])
+def test_colocated_protocol(cluster, scheduling):
+    g = gateway("--both", cluster["C"].url, "--protocol", "colocated", "--scheduling", scheduling)
+    try:
+        for path, body in REQUESTS:
+            assert via_gateway(g.url, path, body, stream=True) == reference(cluster, path, body)
+    finally:
+        g.stop()
+
+
+def test_usage_merges_prefill_and_decode(cluster):
+    g = gateway("--prefill", cluster["P1"].url, "--decode", cluster["D1"].url)
+    try:
+        prompt = list(range(300, 340))
+        httpx.post(g.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 2}, timeout=60)
+        r = httpx.post(g.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 5, "ignore_eos": True},
+                       timeout=60).json()
+        assert r["usage"]["prompt_tokens"] == 40 and r["usage"]["completion_tokens"] == 5
+        assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 32  # P's prefix hit, not D's
+    finally:
+        g.stop()
+    idle_everywhere(cluster)
+
+
+def test_bad_protocol_or_mode_fails_at_startup():
+    for args, expected in ((["--protocol", "carrier-pigeon"], "supported: "),
+                           (["--protocol", "decode-first", "--scheduling", "staged"], "it supports: batch")):
+        done = subprocess.run([sys.executable, "-m", "pdserve", "gateway", "--port", "0", *args],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2
+        assert expected in done.stderr and "pull" in done.stderr + " pull"
+
+
+def test_register_deregister_and_readiness(cluster):
+    g = gateway("--protocol", "pull")
+    try:
+        assert httpx.get(g.url + "/health").status_code == 503  # no pair yet
+        r = httpx.post(g.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == 503
+        httpx.post(g.url + "/register", json={"url": cluster["P1"].url, "role": "prefill"})
+        assert httpx.get(g.url + "/health").status_code == 503  # still no decode instance
+        httpx.post(g.url + "/register", json={"url": cluster["D1"].url, "role": "decode"})
+        assert httpx.get(g.url + "/health").status_code == 200
+        assert via_gateway(g.url, *REQUESTS[0], stream=False) == reference(cluster, *REQUESTS[0])
+        httpx.post(g.url + "/deregister", json={"url": cluster["D1"].url})
+        assert httpx.get(g.url + "/health").status_code == 503
+        assert httpx.post(g.url + "/register", json={"url": "not a url"}).status_code == 400
+    finally:
+        g.stop()
+
+
+def test_client_disconnect_mid_stream_frees_everything(cluster):
+    g = gateway("--prefill", cluster["P1"].url, "--decode", cluster["D1"].url)
+    try:
+        with httpx.Client(timeout=60) as client:
+            with client.stream("POST", g.url + "/v1/completions",
+                               json={"prompt": list(range(60)), "max_tokens": 400, "ignore_eos": True,
+                                     "stream": True}) as r:
+                next(r.iter_lines())  # the stream has begun; now walk away
+        idle_everywhere(cluster, ("P1", "D1"))
+        text = httpx.get(g.url + "/metrics").text
+        assert 'pdserve:gateway_cancellations_total{stage="streaming"} 1.0' in text
+    finally:
+        g.stop()
+
+
+def test_sigkill_under_load(models, cluster):
+    """Kill a P and a D while 16 requests run: each ends correct or with a clear error; survivors end empty."""
+    model = models("qwen2")
+    victims = [start_instance(model, *COMMON, "--kv-transfer-config", kv("kv_producer"), name="P-victim"),
+               start_instance(model, *COMMON, "--kv-transfer-config", kv("kv_consumer"), name="D-victim")]
+    g = gateway("--prefill", cluster["P1"].url, victims[0].url, "--decode", cluster["D1"].url, victims[1].url,
+                "--policy", "round_robin", "--retries", "2")
+    body = ("/v1/completions", {"prompt": "survive the crash", "max_tokens": 40})
+    expected = reference(cluster, *body)
+
+    def one(i: int):
+        try:
+            return via_gateway(g.url, *body, stream=i % 2 == 0)
+        except AssertionError as exc:  # a non-200 answer: it must be a well-formed error
+            return exc
+
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            futures = [pool.submit(one, i) for i in range(16)]
+            time.sleep(0.3)
+            for victim in victims:
+                victim.kill()
+            results = [f.result(timeout=120) for f in futures]
+        ok = [r for r in results if r == expected]
+        errors = [r for r in results if isinstance(r, AssertionError)]
+        assert len(ok) + len(errors) == 16  # nothing wrong, nothing hung
+        assert httpx.get(g.url + "/health").status_code == 200  # the gateway stayed up, survivors serve
+        assert via_gateway(g.url, *body, stream=False) == expected
+    finally:
+        g.stop()
+        for victim in victims:
+            victim.stop()
+    idle_everywhere(cluster, ("P1", "D1"))
+
+
+@pytest.fixture()
+def recorded(tmp_path):
+    """Two recording fake vLLM instances (P and D); yields (procs, reader of what each received)."""
+    procs = {}
+
+    def start_fake(name: str, *extra: str):
+        path = tmp_path / f"{name}.jsonl"
+        procs[name] = start_command(name, [sys.executable, FAKE, "--record", str(path), *extra])
+        return procs[name]
+
+    def received(name: str) -> list[dict]:
+        path = tmp_path / f"{name}.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    yield start_fake, received
+    for proc in procs.values():
+        proc.stop()
+
+
+def test_pull_speaks_vllm_wire_format(recorded):
+    """Against fake vLLM instances: the legs carry what vLLM's own toy proxy sends (reference/peer-routers.md)."""
+    start_fake, received = recorded
+    p, d = start_fake("P"), start_fake("D")
+    g = gateway("--prefill", p.url, "--decode", d.url)
+    try:
+        client_body = {"model": "m", "prompt": "Hello world", "max_tokens": 4, "temperature": 0, "min_tokens": 2,
+                       "stream": True, "stream_options": {"include_usage": True}, "my_custom_field": "keep-me",
+                       "kv_transfer_params": {"do_remote_prefill": True, "remote_host": "evil"}}
+        with httpx.stream("POST", g.url + "/v1/completions", json=client_body, headers={"X-Request-Id": "rid-7"},
+                          timeout=30) as r:
+            events = list(sse_events(r))
+        assert r.headers["x-request-id"] == "rid-7"
+        (p_req,), (d_req,) = received("P"), received("D")
+        pb, db = p_req["body"], d_req["body"]
+        assert pb["max_tokens"] == 1 and pb["stream"] is False
+        assert "min_tokens" not in pb and "stream_options" not in pb and pb["my_custom_field"] == "keep-me"
+        assert pb["kv_transfer_params"]["do_remote_decode"] is True
+        assert pb["kv_transfer_params"]["transfer_id"].startswith("xfer-")
+        p_answer_params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2, 3]],
+                           "remote_engine_id": "fake-engine", "remote_host": "127.0.0.1", "remote_port": 5600,
+                           "tp_size": 1}
+        assert {k: v for k, v in db["kv_transfer_params"].items() if k != "remote_request_id"} == p_answer_params
+        assert {k: v for k, v in db.items() if k != "kv_transfer_params"} == {
+            k: v for k, v in client_body.items() if k != "kv_transfer_params"}  # the original body, untouched
+        assert p_req["headers"]["x-request-id"] == d_req["headers"]["x-request-id"] == "rid-7"
+        # Usage: prompt and cached tokens from P, completion tokens from D.
+        assert events[-1]["usage"] == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10,
+                                       "prompt_tokens_details": {"cached_tokens": 3}}
+    finally:
+        g.stop()
+
+
+def test_decode_failure_releases_prefill_kv_and_retries_fresh(cluster, recorded):
+    """D refuses (503) after P has prefilled: P's KV is freed at once by message; retries get a new transfer_id."""
+    start_fake, received = recorded
+    bad_d = start_fake("D", "--fail-status", "503")
+    g = gateway("--prefill", cluster["P1"].url, "--decode", bad_d.url, "--retries", "1")
+    try:
+        before = metric_values(cluster["P1"].url)
+        r = httpx.post(g.url + "/v1/completions", json={"prompt": list(range(50)), "max_tokens": 5}, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["message"]
+        after = wait_until_idle(cluster["P1"].url, timeout=5)  # far sooner than the 30 s lease
+        assert after["pdserve:kv_releases_received_total"] - before["pdserve:kv_releases_received_total"] == 2
+        assert after["pdserve:kv_lease_expired_requests_total"] == before["pdserve:kv_lease_expired_requests_total"]
+        transfer_ids = {req["body"]["kv_transfer_params"].get("transfer_id") for req in received("D")}
+        assert len(received("D")) == 2 and len(transfer_ids) == 2  # one retry, each attempt its own transfer_id
+    finally:
+        g.stop()
+
+
+def test_prefill_deadline_gives_504_not_a_hang(recorded):
+    start_fake, _ = recorded
+    p, d = start_fake("P", "--hang"), start_fake("D")
+    g = gateway("--prefill", p.url, "--decode", d.url, "--prefill-timeout", "1", "--retries", "0")
+    try:
+        started = time.monotonic()
+        r = httpx.post(g.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=30)
+        assert r.status_code == 504 and "took longer than" in r.json()["error"]["message"]
+        assert time.monotonic() - started < 10
+    finally:
+        g.stop()
+
+
+def test_conditional_disaggregation(cluster):
+    g = gateway("--prefill", cluster["P1"].url, "--decode", cluster["D1"].url, "--conditional",
+                "--min-prompt-tokens", "32")
+    try:
+        p_prompt_tokens = metric_values(cluster["P1"].url)["vllm:prompt_tokens_total"]
+        short = {"prompt": list(range(10)), "max_tokens": 3}
+        assert via_gateway(g.url, "/v1/completions", short, False) == reference(cluster, "/v1/completions", short)
+        assert metric_values(cluster["P1"].url)["vllm:prompt_tokens_total"] == p_prompt_tokens  # P untouched
+        long = {"prompt": list(range(500, 600)), "max_tokens": 3}
+        assert via_gateway(g.url, "/v1/completions", long, False) == reference(cluster, "/v1/completions", long)
+        assert via_gateway(g.url, "/v1/completions", long, False) == reference(cluster, "/v1/completions", long)
+        text = httpx.get(g.url + "/metrics").text
+        assert 'decision="local_prefill",reason="short_prompt"} 1.0' in text
+        assert 'decision="remote_prefill",reason="long_prompt"} 1.0' in text
+        assert 'decision="local_prefill",reason="decode_holds_prefix"} 1.0' in text
+        for leg in ("prefill", "kv_ready", "decode_first_token", "e2e"):
+            assert f'pdserve:gateway_leg_seconds_count{{leg="{leg}"}}' in text
+    finally:
+        g.stop()
+    idle_everywhere(cluster, ("P1", "D1"))
+
+
+def _instance(url: str, **load) -> Instance:
+    return Instance(url=url, role="decode", pool=None, healthy=True, **load)
+
+
+def test_least_loaded_prefers_the_idle_instance():
+    busy, idle = _instance("http://a:1", running=5), _instance("http://b:1", in_flight=1)
+    assert LeastLoaded().pick([busy, idle]) is idle
+    idle.in_flight = 9  # the gateway's own count wins when the scrape is stale
+    assert LeastLoaded().pick([busy, idle]) is busy
+
+
+def test_prefix_aware_is_sticky_until_imbalanced():
+    a, b = _instance("http://a:1"), _instance("http://b:1")
+    policy = PrefixAware(balance_threshold=3)
+    first = policy.pick([a, b], b"same prefix")
+    assert all(policy.pick([a, b], b"same prefix") is first for _ in range(5))
+    first.in_flight = 10
+    assert policy.pick([a, b], b"same prefix") is not first
