@@ -242,11 +242,11 @@ def wait_serving(proc: Proc, body: bytes, timeout: float) -> None:
 
 
 def start_pdserve(p_url: str, d_url: str, log_dir: Path, extra: list[str] | None = None, name: str = "pdserve",
-                  body: bytes = b"") -> Proc:
+                  body: bytes = b"", env: dict[str, str] | None = None) -> Proc:
     args = [sys.executable, "-m", "pdserve", "gateway", "--prefill", p_url, "--decode", d_url, "--protocol", "pull",
             "--scheduling", "batch", "--policy", "round_robin", "--host", "127.0.0.1", "--port", "0",
             "--log-level", "warning", *(extra or [])]
-    popen, log_path = spawn(name, args, log_dir, env={"PYTHONUNBUFFERED": "1"}, stdout_pipe=True)
+    popen, log_path = spawn(name, args, log_dir, env={"PYTHONUNBUFFERED": "1", **(env or {})}, stdout_pipe=True)
     proc = Proc(name, popen, "", log_path)
     try:
         ready = wait_ready_line(popen, 60)

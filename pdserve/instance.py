@@ -42,6 +42,12 @@ class Instance:
     def _transfer_routes(self, app: FastAPI) -> None:
         bundle = self.connectors
 
+        @app.get("/v1/kv/info")
+        async def info() -> Response:
+            """Where this instance's side channel is: what a gateway puts in a push-mode decode leg."""
+            return json_response({"engine_id": bundle.engine_id, "side_channel_host": bundle.agent.config.host,
+                                  "side_channel_port": bundle.agent.port, "role": self.config.role})
+
         @app.post("/v1/kv/release")
         async def release(request: Request) -> Response:
             """Free KV held for a transfer now (a gateway's explicit message; never wait for the lease)."""

@@ -129,7 +129,8 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests()
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        worker = self.runner.connector
+        return self.scheduler.has_work() or (worker is not None and worker.has_pending_work())
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -3,11 +3,12 @@ between legs (Llumnix's forwarder registry, seed 003)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
-from pdserve.gateway.call import Call, Stage
+from pdserve.gateway.call import Call, LegError, Stage
 from pdserve.gateway.registry import Instance
 
 _PREFILL_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens")
@@ -18,6 +19,7 @@ class Forwarder(ABC):
     dispatch: ClassVar[str]  # "single", "serial" or "parallel"
     scheduling_modes: ClassVar[frozenset[str]]
     roles: ClassVar[tuple[str, ...]]  # which kinds of instance a request needs
+    needs_kv_info: ClassVar[bool] = False  # whether the gateway must know P's side channel up front
 
     @abstractmethod
     async def run(self, call: Call) -> None:
@@ -110,7 +112,59 @@ class DecodeFirst(Forwarder):
         await call.relay("decode", decode, with_kv_params(call.body, params))
 
 
-FORWARDERS: dict[str, type[Forwarder]] = {f.name: f for f in (Pull, DecodeFirst, Colocated)}
+class Push(Forwarder):
+    """Parallel (MoRIIO WRITE / Mooncake style): P and D get the request at once, joined by the transfer_id.
+
+    D registers its blocks with P's side channel and P writes each layer as it is computed. If either leg
+    fails before the client saw a byte, the other is cancelled and the request retried on a fresh pair.
+    """
+
+    name = "push"
+    dispatch = "parallel"
+    scheduling_modes = frozenset({"batch"})
+    roles = ("prefill", "decode")
+    needs_kv_info = True
+
+    async def run(self, call: Call) -> None:
+        gw = call.gateway
+        decode = call.pick("decode")
+        if not gw.conditional.use_remote_prefill(call, decode):
+            await call.relay("decode", decode, call.body)
+            return
+        prefill = call.pick("prefill")
+        info = prefill.meta.get("kv") or {}
+        if not info:
+            raise LegError("prefill", "no_side_channel", f"{prefill.url} has no KV side channel", instance=prefill)
+        p_body = prefill_body(call.body, call.transfer_id)
+        p_body["kv_transfer_params"]["transfer_mode"] = "push"
+        d_params = {"do_remote_prefill": True, "do_remote_decode": False, "transfer_mode": "push",
+                    "transfer_id": call.transfer_id, "remote_engine_id": info["engine_id"],
+                    "remote_host": info["side_channel_host"], "remote_port": info["side_channel_port"]}
+        call.stage = Stage.DECODE_SENT
+        prefill_leg = asyncio.ensure_future(call.call_json("prefill", prefill, p_body, gw.deadlines.prefill_s))
+        prefill_leg.add_done_callback(lambda leg: _take_prefill_usage(call, leg))
+        decode_leg = asyncio.ensure_future(call.relay("decode", decode, with_kv_params(call.body, d_params)))
+        try:
+            await asyncio.wait({prefill_leg, decode_leg}, return_when=asyncio.FIRST_COMPLETED)
+            if prefill_leg.done() and prefill_leg.exception() is not None and not decode_leg.done():
+                if not call.first_byte_sent:
+                    raise prefill_leg.exception()  # cancel D (finally) and let the gateway retry
+                # D already answers the client: tell it the KV will not come, so it computes locally now.
+                gw.release_transfer(decode, call.transfer_id)
+            await decode_leg
+        finally:
+            for leg in (prefill_leg, decode_leg):
+                if not leg.done():
+                    leg.cancel()
+            await asyncio.gather(prefill_leg, decode_leg, return_exceptions=True)
+
+
+def _take_prefill_usage(call: Call, leg: asyncio.Future) -> None:
+    if not leg.cancelled() and leg.exception() is None:
+        call.prefill_usage = leg.result().get("usage")
+
+
+FORWARDERS: dict[str, type[Forwarder]] = {f.name: f for f in (Pull, DecodeFirst, Colocated, Push)}
 
 
 def make_forwarder(protocol: str, scheduling: str) -> Forwarder:

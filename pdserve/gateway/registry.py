@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+import msgspec
+
 from pdserve.net.http_client import HttpClient, HttpPool, UpstreamError, UpstreamTimeout
 
 log = logging.getLogger(__name__)
@@ -47,8 +49,9 @@ class Instance:
 
 class Registry:
     def __init__(self, client: HttpClient, probe_interval_s: float = 1.0, scrape_interval_s: float = 0.2,
-                 failure_threshold: int = 2) -> None:
+                 failure_threshold: int = 2, fetch_kv_info: bool = False) -> None:
         self.client = client
+        self.fetch_kv_info = fetch_kv_info
         self.instances: dict[str, Instance] = {}
         self.probe_interval_s = probe_interval_s
         self.scrape_interval_s = scrape_interval_s
@@ -116,6 +119,8 @@ class Registry:
             ok = response.status == 200
         except (UpstreamError, UpstreamTimeout, OSError):
             ok = False
+        if ok and instance.role in ("prefill", "both") and self.fetch_kv_info:
+            ok = await self._fetch_kv_info(instance)
         if ok:
             if not instance.healthy:
                 log.info("instance %s is up", instance.url)
@@ -126,6 +131,20 @@ class Registry:
                 log.warning("instance %s failed %d health checks; marked down", instance.url,
                             instance.consecutive_failures)
                 instance.healthy = False
+
+    async def _fetch_kv_info(self, instance: Instance) -> bool:
+        """Push mode needs P's side channel; a restarted P (new engine id) is noticed on the next probe."""
+        try:
+            response = await instance.pool.request("GET", "/v1/kv/info", connect_timeout=1.0, header_timeout=2.0)
+            body = await response.read(timeout=2.0)
+        except (UpstreamError, UpstreamTimeout, OSError):
+            return False
+        if response.status != 200:
+            log.warning("instance %s has no KV side channel (%d); push mode cannot use it", instance.url,
+                        response.status)
+            return False
+        instance.meta["kv"] = msgspec.json.decode(body)
+        return True
 
     async def _scrape_loop(self) -> None:
         while True:

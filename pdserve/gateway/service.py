@@ -51,7 +51,8 @@ class Gateway:
         self.scheduling = config.scheduling
         self.deadlines = config.deadlines
         self.client = HttpClient()
-        self.registry = Registry(self.client, config.probe_interval_s, config.scrape_interval_s)
+        self.registry = Registry(self.client, config.probe_interval_s, config.scrape_interval_s,
+                                 fetch_kv_info=self.forwarder.needs_kv_info)
         self.metrics = GatewayMetrics(self.registry, config.protocol)
         self.conditional = ConditionalDisagg(self.metrics, config.conditional, config.min_prompt_tokens,
                                              config.prefix_threshold, config.tokenizer)

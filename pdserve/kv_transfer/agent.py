@@ -9,6 +9,7 @@ through the thread-safe methods at the top; results come back through ``take_*``
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 import time
@@ -17,20 +18,25 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import zmq.asyncio
 
 from pdserve.ids import ReqId
 from pdserve.kv_transfer.data_plane import DataPlane, DataPlaneError, PeerChannel
 from pdserve.kv_transfer.data_plane.shm import host_identity
 from pdserve.kv_transfer.faults import FaultConfig, FaultInjector, InjectedFault
-from pdserve.kv_transfer.messages import (Ack, Handshake, HandshakeReply, Heartbeat, Message, ReadDone, ReadGrant,
-                                          Release)
+from pdserve.kv_transfer.messages import (Ack, Handshake, HandshakeReply, Heartbeat, Message, PushRegister, ReadDone,
+                                          ReadGrant, Release, WriteDone)
 from pdserve.kv_transfer.side_channel import SideChannelClient, SideChannelError, SideChannelServer
 
 log = logging.getLogger(__name__)
 
 # How long a read-done that beat its hold registration is remembered.
 _EARLY_NOTICE_TTL_S = 60.0
+
+
+# After giving up on a push, how long to wait for the producer's last word before reusing the blocks.
+_PUSH_GIVE_UP_GRACE_S = 2.0
 
 
 def _by_transfer(transfer_id: str) -> str:
@@ -70,6 +76,20 @@ class LoadResult:
 
 
 @dataclass(slots=True)
+class PushExpectation:
+    """Consumer side: blocks registered with a producer, waiting for its writes and write-done."""
+
+    request_id: ReqId
+    transfer_id: str
+    token: str
+    block_ids: frozenset[int]
+    host: str
+    port: int
+    deadline: float
+    cancelled: bool = False
+
+
+@dataclass(slots=True)
 class _Peer:
     """A handshaken producer: its identity and an open data channel."""
 
@@ -89,6 +109,11 @@ class AgentStats:
     read_done_received: int = 0
     load_seconds_total: float = 0.0
     handshake_refusals: int = 0
+    push_writes: int = 0
+    push_bytes_sent: int = 0
+    push_done_ok: int = 0
+    push_done_failed: int = 0
+    push_registration_timeouts: int = 0
 
 
 @dataclass(slots=True)
@@ -102,6 +127,8 @@ class AgentConfig:
     message_timeout_s: float = 10.0
     load_timeout_s: float = 60.0
     hold_wait_s: float = 2.0
+    push_timeout_s: float = 60.0  # D frees a registration P has not fulfilled by then
+    capture_path: str | None = None  # append every side-channel message here (drills, tests)
     preferred_plane: str = "auto"  # "auto" picks shm when the peer shares this host
     planes: dict[str, DataPlane] = field(default_factory=dict)
     faults: FaultConfig = field(default_factory=FaultConfig)
@@ -117,6 +144,12 @@ class TransferAgent:
         self._released: set[str] = set()
         self._early_notices: dict[str, float] = {}
         self._transfers: dict[str, str] = {}  # transfer_id -> key, for holds made on a gateway's behalf
+        self._registrations: list[PushRegister] = []  # producer: arrived, not yet taken by the worker
+        self._push_releases: set[str] = set()  # producer: transfers the consumer gave up on
+        self._expected: dict[str, PushExpectation] = {}  # consumer: transfer_id -> expectation
+        # One writer thread: a transfer's writes land in the order they were issued (catch-up before layers).
+        self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdserve-push-writer")
+        self._capture_file = open(config.capture_path, "a") if config.capture_path else None  # noqa: SIM115
         self._completed: list[LoadResult] = []
         self._heartbeats: dict[tuple[str, int], set[str]] = {}
         self._clients: dict[tuple[str, int], SideChannelClient] = {}
@@ -150,6 +183,9 @@ class TransferAgent:
         for plane in self.config.planes.values():
             plane.stop()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self.writer.shutdown(wait=False, cancel_futures=True)
+        if self._capture_file is not None:
+            self._capture_file.close()
 
     def hold(self, key: str, token: str, block_ids: list[int], transfer_id: str | None = None) -> None:
         """Producer: keep these blocks for a consumer until read-done, release or lease expiry."""
@@ -171,6 +207,8 @@ class TransferAgent:
         By key and token, or by the gateway's transfer_id (it knows no key if P's answer never reached it).
         A release that arrives before the hold is remembered and applied when the hold registers.
         """
+        if transfer_id is not None and self._give_up_push(transfer_id):
+            return True
         with self._lock:
             if key is None and transfer_id is not None:
                 key = self._transfers.get(transfer_id)
@@ -216,6 +254,135 @@ class TransferAgent:
         with self._lock:
             return len(self._leases)
 
+    # -- push, producer side (thread-safe; the worker half calls these) ----------------------------------
+    def take_registrations(self) -> list[PushRegister]:
+        with self._lock:
+            out, self._registrations = self._registrations, []
+        return out
+
+    def has_push_work(self) -> bool:
+        with self._lock:
+            return bool(self._registrations or self._push_releases)
+
+    def take_push_releases(self) -> set[str]:
+        with self._lock:
+            out, self._push_releases = self._push_releases, set()
+        return out
+
+    def write_blocks(self, registration: PushRegister, local_ids: list[int], remote_ids: list[int],
+                     layer: int | None) -> None:
+        """On the writer thread: copy blocks (or one layer of them) into the consumer's registered blocks."""
+        stall = self.faults.before_transfer("write")
+        if stall:
+            time.sleep(stall)
+        peer = asyncio.run_coroutine_threadsafe(
+            self.peer(registration.consumer_host, registration.consumer_port, registration.consumer_engine_id),
+            self._loop).result(self.config.handshake_timeout_s + 1)
+        self.stats.push_bytes_sent += peer.channel.write_blocks(registration.transfer_id, registration.token,
+                                                                local_ids, remote_ids, layer)
+        self.stats.push_writes += 1
+
+    def send_write_done(self, registration: PushRegister, ok: bool, error: str = "") -> None:
+        """Tell the consumer its blocks are complete (or will not be). Called after the writes, in order."""
+        message = WriteDone(transfer_id=registration.transfer_id, token=registration.token, ok=ok, error=error)
+        self._call(self._notify(registration.consumer_host, registration.consumer_port, message))
+
+    async def _notify(self, host: str, port: int, message: Message) -> None:
+        try:
+            await self.client(host, port).request(message, self.config.message_timeout_s)
+        except (SideChannelError, OSError, TimeoutError) as exc:
+            log.warning("could not deliver %s to %s:%d: %s", type(message).__name__, host, port, exc)
+
+    # -- push, consumer side -----------------------------------------------------------------------------
+    def expect_push(self, expectation: PushExpectation, register: PushRegister) -> None:
+        with self._lock:
+            self._expected[expectation.transfer_id] = expectation
+        self._call(self._register_push(expectation, register))
+
+    async def _register_push(self, expectation: PushExpectation, register: PushRegister) -> None:
+        try:
+            await self.peer(expectation.host, expectation.port, None)  # the producer must be compatible
+            reply = await self.client(expectation.host, expectation.port).request(register,
+                                                                                  self.config.message_timeout_s)
+            if not isinstance(reply, Ack) or not reply.ok:
+                raise DataPlaneError(getattr(reply, "error", "") or "the producer refused the registration")
+        except (DataPlaneError, SideChannelError, OSError, TimeoutError) as exc:
+            self._complete_push(expectation.transfer_id, ok=False, error=f"registration failed: {exc}")
+
+    def cancel_push(self, transfer_id: str) -> None:
+        """The consumer's request ended: ask the producer to stop; blocks stay ours until its write-done."""
+        with self._lock:
+            expectation = self._expected.get(transfer_id)
+            if expectation is None:
+                return
+            expectation.cancelled = True
+        self._call(self._release(expectation.host, expectation.port, transfer_id, expectation.token, "consumer ended"))
+
+    def _give_up_push(self, transfer_id: str) -> bool:
+        """Consumer: the gateway says this push will not come (its prefill leg failed); compute locally soon.
+
+        Our blocks are reused only after P's write-done, or a short grace if P is gone, so no late write can
+        land in KV we recompute.
+        """
+        with self._lock:
+            expectation = self._expected.get(transfer_id)
+            if expectation is None:
+                return False
+            expectation.cancelled = True
+            expectation.deadline = min(expectation.deadline, time.monotonic() + _PUSH_GIVE_UP_GRACE_S)
+        self._call(self._release(expectation.host, expectation.port, transfer_id, expectation.token,
+                                 "prefill leg failed"))
+        return True
+
+    def _push_done(self, message: WriteDone) -> Ack:
+        with self._lock:
+            expectation = self._expected.get(message.transfer_id)
+        if expectation is None:
+            return Ack(ok=False, error=f"no registration for transfer {message.transfer_id!r}")
+        if message.token != expectation.token:
+            return Ack(ok=False, error=f"wrong transfer token for {message.transfer_id!r}")
+        self._complete_push(message.transfer_id, message.ok, message.error)
+        return Ack(ok=True)
+
+    def _complete_push(self, transfer_id: str, ok: bool, error: str = "") -> None:
+        with self._lock:
+            expectation = self._expected.pop(transfer_id, None)
+            if expectation is None:
+                return
+            ok = ok and not expectation.cancelled
+            self._completed.append(LoadResult(expectation.request_id, ok=ok, error=error))
+        if ok:
+            self.stats.push_done_ok += 1
+        else:
+            self.stats.push_done_failed += 1
+            log.warning("push transfer %s ended without the KV: %s", transfer_id, error or "cancelled")
+        self.on_event()
+
+    async def _watch_pushes(self) -> None:
+        while True:
+            await asyncio.sleep(0.1)
+            now = time.monotonic()
+            with self._lock:
+                late = [e for e in self._expected.values() if e.deadline <= now]
+            for expectation in late:
+                self.stats.push_registration_timeouts += 1
+                self._complete_push(expectation.transfer_id, ok=False,
+                                    error=f"no write-done within {self.config.push_timeout_s} s")
+                await self._release(expectation.host, expectation.port, expectation.transfer_id, expectation.token,
+                                    "registration timed out")
+
+    def num_expected(self) -> int:
+        with self._lock:
+            return len(self._expected)
+
+    # -- capture -----------------------------------------------------------------------------------------
+    def _capture(self, direction: str, message: Message) -> None:
+        if self._capture_file is not None:
+            record = {"time": time.time(), "engine_id": self.config.engine_id, "direction": direction,
+                      "message": msgspec.to_builtins(message), "type": type(message).__name__}
+            self._capture_file.write(json.dumps(record) + "\n")
+            self._capture_file.flush()
+
     def _call(self, coro: Any) -> None:
         assert self._loop is not None
         asyncio.run_coroutine_threadsafe(coro, self._loop)
@@ -226,10 +393,11 @@ class TransferAgent:
         self._loop = loop
         asyncio.set_event_loop(loop)
         self._ctx = zmq.asyncio.Context()
-        self._server = SideChannelServer(self._ctx, self.config.host, self.config.port, self._handle, self.faults)
+        self._server = SideChannelServer(self._ctx, self.config.host, self.config.port, self._handle, self.faults,
+                                         self._capture)
         self.port = self._server.port
         self._tasks = [loop.create_task(self._server.serve()), loop.create_task(self._reap_leases()),
-                       loop.create_task(self._send_heartbeats())]
+                       loop.create_task(self._send_heartbeats()), loop.create_task(self._watch_pushes())]
         self._ready.set()
         try:
             loop.run_forever()
@@ -259,7 +427,19 @@ class TransferAgent:
             return self._end_lease(message.key, message.token)
         if isinstance(message, Release):
             self.stats.releases_received += 1
-            return self._end_lease(message.key, message.token)
+            with self._lock:
+                is_hold = message.key in self._leases
+                if not is_hold:
+                    self._push_releases.add(message.key)  # maybe a push transfer: the worker checks
+            self.on_event()
+            return self._end_lease(message.key, message.token) if is_hold else Ack(ok=True)
+        if isinstance(message, PushRegister):
+            with self._lock:
+                self._registrations.append(message)
+            self.on_event()
+            return Ack(ok=True)
+        if isinstance(message, WriteDone):
+            return self._push_done(message)
         if isinstance(message, Heartbeat):
             return self._renew(message.keys)
         return await self.handle_extra(message)
@@ -305,7 +485,16 @@ class TransferAgent:
             await asyncio.sleep(0.001)
 
     def authorize_write(self, key: str, token: str, block_ids: list[int]) -> str | None:
-        return "writes are not accepted by this instance"
+        """Consumer: a producer may write only into the blocks registered for its transfer, with its token."""
+        with self._lock:
+            expectation = self._expected.get(key)
+            if expectation is None or expectation.cancelled:
+                return f"no registration for transfer {key!r}"
+            if token != expectation.token:
+                return f"wrong transfer token for {key!r}"
+            if not set(block_ids) <= expectation.block_ids:
+                return f"blocks outside the registration of {key!r}"
+        return None
 
     def _end_lease(self, key: str, token: str) -> Ack:
         with self._lock:
@@ -379,7 +568,7 @@ class TransferAgent:
         address = (host, port)
         client = self._clients.get(address)
         if client is None:
-            client = self._clients[address] = SideChannelClient(self._ctx, host, port, self.faults)
+            client = self._clients[address] = SideChannelClient(self._ctx, host, port, self.faults, self._capture)
         return client
 
     async def _handshake_with(self, host: str, port: int) -> _Peer:

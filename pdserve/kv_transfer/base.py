@@ -92,6 +92,10 @@ class KVConnectorWorker(ABC):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set()
 
+    def has_pending_work(self) -> bool:
+        """True while transfer work that only a step can move on (e.g. push registrations) is waiting."""
+        return False
+
     def get_failed_recving(self) -> set[ReqId]:
         return set()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,6 +120,14 @@ class ConnectorBundle:
             "counter pdserve:kv_read_done_received": s.read_done_received,
             "counter pdserve:kv_handshake_refusals": s.handshake_refusals,
             "gauge pdserve:kv_leases_held": self.agent.num_leases(),
+            "gauge pdserve:kv_transfer_map_size": len(self.worker.translator),
+            "gauge pdserve:kv_push_expected": self.agent.num_expected(),
+            "counter pdserve:kv_push_writes": s.push_writes,
+            "counter pdserve:kv_push_bytes_sent": s.push_bytes_sent,
+            "counter pdserve:kv_push_done_ok": s.push_done_ok,
+            "counter pdserve:kv_push_done_failed": s.push_done_failed,
+            "counter pdserve:kv_push_registration_timeouts": s.push_registration_timeouts,
+            "counter pdserve:kv_push_unregistered_expired": self.worker.push.expired if self.worker.push else 0,
             "counter pdserve:decode_first_prefills": self.decode_first.prefills,
             "counter pdserve:decode_first_fallbacks": self.decode_first.fallbacks,
         }
@@ -173,11 +182,15 @@ def build_pd_connector(config: EngineConfig) -> ConnectorBundle:
         port=int(extra.get("side_channel_port", kv_cfg.get("kv_port", 0))),
         lease_s=float(extra.get("kv_lease_duration", 30.0)),
         load_timeout_s=float(extra.get("kv_load_timeout", 60.0)),
+        push_timeout_s=float(extra.get("push_registration_timeout", 60.0)),
+        capture_path=extra.get("capture_messages") or os.environ.get("PDSERVE_CAPTURE_MESSAGES"),
         preferred_plane=preferred, planes=planes, faults=resolve_fault_config(extra)))
     max_model_len = config.resolve_max_model_len(text_config_of(read_config_json(config.model)).max_position_embeddings)
     max_blocks = -(-max_model_len // config.block_size)
     scheduler = PdConnectorScheduler(config.block_size, max_blocks, load_timeout_s=agent.config.load_timeout_s)
-    return ConnectorBundle(scheduler=scheduler, worker=PdConnectorWorker(agent), agent=agent, planes=planes,
+    worker = PdConnectorWorker(agent, config.block_size, push_timeout_s=agent.config.push_timeout_s,
+                               unregistered_timeout_s=agent.config.lease_s)
+    return ConnectorBundle(scheduler=scheduler, worker=worker, agent=agent, planes=planes,
                            engine_id=engine_id, max_blocks=max_blocks, pool_owner=plane_names[0])
 
 

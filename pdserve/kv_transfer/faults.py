@@ -5,7 +5,7 @@ Configured by ``kv_connector_extra_config.fault_injection`` or the ``PDSERVE_FAU
 
     {"seed": 1, "message_drop": 0.1, "message_delay": 0.2, "message_delay_s": 0.5, "message_duplicate": 0.1,
      "message_reorder": 0.1, "message_corrupt": 0.05, "read_fail": 0.1, "write_fail": 0.1, "read_delay_s": 1.0,
-     "block_corrupt": 0.05}
+     "block_corrupt": 0.05, "step_delay_s": 0.01}
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ class FaultConfig:
     read_delay_s: float = 0.0
     write_delay_s: float = 0.0
     block_corrupt: float = 0.0
+    step_delay_s: float = 0.0  # a slow instance: every engine step takes this much longer
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> FaultConfig:
@@ -117,6 +118,9 @@ class FaultInjector:
         if op == "write" and self._roll(c.write_fail, "write_fail"):
             raise InjectedFault("injected block write failure")
         return c.read_delay_s if op == "read" else c.write_delay_s
+
+    def step_delay(self) -> float:
+        return self.config.step_delay_s
 
     def should_corrupt_blocks(self) -> bool:
         return self._roll(self.config.block_corrupt, "block_corrupt")

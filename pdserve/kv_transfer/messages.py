@@ -67,7 +67,8 @@ class PushRegister(Message, tag="push_register"):
     """Push mode: D's blocks for a transfer, so P can write each layer into them as it is computed."""
 
     transfer_id: str
-    block_ids: list[int]
+    block_ids: list[int]  # the consumer's blocks for the prompt's blocks first_block, first_block + 1, ...
+    first_block: int  # blocks before this one the consumer already has (its own prefix-cache hit)
     num_tokens: int
     consumer_engine_id: str
     consumer_host: str

@@ -18,9 +18,10 @@ class KVParamsError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class RemoteDecode:
-    """This instance prefills and holds the KV for a decode instance to take."""
+    """This instance prefills and holds the KV for a decode instance to take (pull) or writes it there (push)."""
 
     transfer_id: str | None
+    push: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +94,10 @@ def parse_kv_params(params: dict[str, Any] | None, max_blocks: int
         raise KVParamsError("kv_transfer_params cannot ask for both do_remote_decode and do_remote_prefill")
     transfer_id = _text(params, "transfer_id", required=False)
     if remote_decode:
-        return RemoteDecode(transfer_id)
+        push = params.get("transfer_mode") == "push"
+        if push and transfer_id is None:
+            raise KVParamsError("push mode needs the gateway's transfer_id in kv_transfer_params")
+        return RemoteDecode(transfer_id, push)
     if not remote_prefill:
         return None
     if "remote_prefill_url" in params:

@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.engine.kv_cache_manager import cdiv
 from pdserve.engine.outputs import KVConnectorOutput, SchedulerOutput
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.ids import ReqId
-from pdserve.kv_transfer.agent import LoadJob, TransferAgent
+from pdserve.ids import ReqId, TransferId
+from pdserve.kv_transfer.agent import LoadJob, PushExpectation, TransferAgent
 from pdserve.kv_transfer.base import KVConnectorMetadata, KVConnectorScheduler, KVConnectorWorker
+from pdserve.kv_transfer.messages import PushRegister
 from pdserve.kv_transfer.params import KVParamsError, RemoteDecode, RemotePrefill, parse_kv_params
+from pdserve.kv_transfer.push import PushChunk, PushEnded, PushProducer, PushRegistration
+from pdserve.kv_transfer.translator import TransferMap
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +61,10 @@ class PdConnectorMetadata(KVConnectorMetadata):
     releases: list[ReleaseSpec] = field(default_factory=list)
     watch: list[WatchSpec] = field(default_factory=list)
     unwatch: list[WatchSpec] = field(default_factory=list)
+    push_chunks: list[PushChunk] = field(default_factory=list)  # P: what this step computed for push requests
+    push_ended: list[PushEnded] = field(default_factory=list)  # P: push requests that finished
+    pushes: list[PushRegistration] = field(default_factory=list)  # D: blocks to register with a P
+    cancel_pushes: list[str] = field(default_factory=list)  # D: transfer ids whose request ended early
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +127,13 @@ class PdConnectorScheduler(KVConnectorScheduler):
             self._release(parsed, "prompt fully cached on the decode instance")
             return
         first = (request.num_prompt_tokens - num_external_tokens) // self.block_size
+        if parsed.mode == "push":
+            needed = block_ids[first:cdiv(request.num_prompt_tokens, self.block_size)]
+            self._pending.pushes.append(PushRegistration(
+                request_id=request.request_id, transfer_id=TransferId(parsed.transfer_id), host=parsed.host,
+                port=parsed.port, engine_id=parsed.engine_id, first_block=first, block_ids=tuple(needed),
+                num_tokens=request.num_prompt_tokens, token=secrets.token_hex(16)))
+            return
         remote = parsed.block_ids[first:cdiv(request.num_prompt_tokens, self.block_size)]
         self._pending.loads.append(LoadJob(
             request_id=request.request_id, host=parsed.host, port=parsed.port, engine_id=parsed.engine_id,
@@ -132,6 +147,13 @@ class PdConnectorScheduler(KVConnectorScheduler):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PdConnectorMetadata:
         meta, self._pending = self._pending, PdConnectorMetadata()
         self._loading.update(job.request_id for job in meta.loads)
+        self._loading.update(push.request_id for push in meta.pushes)
+        for item in scheduler_output.scheduled:
+            parsed = self._parsed.get(item.request_id)
+            if isinstance(parsed, RemoteDecode) and parsed.push:
+                meta.push_chunks.append(PushChunk(
+                    item.request_id, TransferId(parsed.transfer_id), tuple(item.block_ids), item.start_position,
+                    item.start_position + len(item.token_ids), last=item.sample))
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
@@ -139,7 +161,8 @@ class PdConnectorScheduler(KVConnectorScheduler):
 
     def has_pending_work(self) -> bool:
         p = self._pending
-        return bool(self._loading or p.holds or p.loads or p.releases or p.watch or p.unwatch)
+        return bool(self._loading or p.holds or p.loads or p.releases or p.watch or p.unwatch or p.push_ended
+                    or p.pushes or p.cancel_pushes)
 
     # -- endings --------------------------------------------------------------------------------------------
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -148,8 +171,12 @@ class PdConnectorScheduler(KVConnectorScheduler):
         was_planned = rid in self._allocated
         self._allocated.discard(rid)
         if isinstance(parsed, RemoteDecode):
+            if parsed.push:
+                return self._push_ended(request, block_ids, parsed)
             return self._hand_off(request, block_ids, parsed)
-        if not isinstance(parsed, RemotePrefill) or parsed.mode != "pull":
+        if isinstance(parsed, RemotePrefill) and parsed.mode == "push":
+            return self._push_consumer_ended(request, parsed, was_planned)
+        if not isinstance(parsed, RemotePrefill):
             return False, None
         self._pending.unwatch.append(WatchSpec(parsed.host, parsed.port, parsed.remote_key))
         if rid in self._loading:
@@ -184,6 +211,33 @@ class PdConnectorScheduler(KVConnectorScheduler):
             params["transfer_id"] = parsed.transfer_id
         return True, params
 
+    def _push_ended(self, request: Request, block_ids: list[int], parsed: RemoteDecode
+                    ) -> tuple[bool, dict[str, Any] | None]:
+        handed_off = request.status in _HANDOFF_STATUSES and bool(block_ids)
+        held = tuple(block_ids[:cdiv(request.num_prompt_tokens, self.block_size)])
+        self._pending.push_ended.append(PushEnded(request.request_id, TransferId(parsed.transfer_id), held,
+                                                  request.num_prompt_tokens, handed_off))
+        if not handed_off:
+            return False, None
+        # Held until the push completes, D gives up, or no D registers within the deadline.
+        return True, {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": parsed.transfer_id,
+                      "transfer_mode": "push", "remote_num_tokens": request.num_prompt_tokens,
+                      "remote_prefill_cached_tokens": max(request.num_cached_tokens, 0)}
+
+    def _push_consumer_ended(self, request: Request, parsed: RemotePrefill, was_planned: bool
+                             ) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        if rid in self._loading:
+            self._pending.cancel_pushes.append(parsed.transfer_id)
+            return True, None  # P may be writing into our blocks: keep them until it says it stopped
+        unsent = [p for p in self._pending.pushes if p.request_id == rid]
+        if unsent:
+            self._pending.pushes = [p for p in self._pending.pushes if p.request_id != rid]
+        if unsent or not was_planned:
+            self._pending.releases.append(ReleaseSpec(parsed.host, parsed.port, parsed.transfer_id, "",
+                                                      "decode request ended before registering"))
+        return False, None
+
     def _release(self, parsed: RemotePrefill, reason: str) -> None:
         if parsed.remote_key is not None:
             self._pending.releases.append(ReleaseSpec(parsed.host, parsed.port, parsed.remote_key, parsed.token or "",
@@ -191,14 +245,27 @@ class PdConnectorScheduler(KVConnectorScheduler):
 
 
 class PdConnectorWorker(KVConnectorWorker):
-    def __init__(self, agent: TransferAgent) -> None:
+    def __init__(self, agent: TransferAgent, block_size: int, push_timeout_s: float = 60.0,
+                 unregistered_timeout_s: float = 30.0) -> None:
         self.agent = agent
+        self.block_size = block_size
+        self.push_timeout_s = push_timeout_s
+        self.unregistered_timeout_s = unregistered_timeout_s
+        self.translator = TransferMap()
+        self.push: PushProducer | None = None
         self._meta: PdConnectorMetadata | None = None
         self._failed: set[ReqId] = set()
+
+    def register_kv_caches(self, kv_cache: Any) -> None:
+        num_layers = kv_cache.shape[1]
+        self.push = PushProducer(self.agent, self.translator, self.block_size, num_layers,
+                                 self.unregistered_timeout_s)
 
     def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
         assert isinstance(metadata, PdConnectorMetadata)
         self._meta = metadata
+        if self.push is not None:
+            self.push.bind(metadata.push_chunks, metadata.push_ended)
 
     def clear_connector_metadata(self) -> None:
         self._meta = None
@@ -207,6 +274,8 @@ class PdConnectorWorker(KVConnectorWorker):
         meta = self._meta
         if meta is None:
             return
+        if self.agent.faults.step_delay():
+            time.sleep(self.agent.faults.step_delay())
         for w in meta.watch:
             self.agent.watch(w.host, w.port, w.key)
         for w in meta.unwatch:
@@ -215,14 +284,43 @@ class PdConnectorWorker(KVConnectorWorker):
             self.agent.hold(hold.key, hold.token, list(hold.block_ids), hold.transfer_id)
         for job in meta.loads:
             self.agent.submit_load(job)
+        for registration in meta.pushes:
+            self._register_push(registration)
+        for transfer_id in meta.cancel_pushes:
+            self.agent.cancel_push(transfer_id)
         for r in meta.releases:
             self.agent.send_release(r.host, r.port, r.key, r.token, r.reason)
+        if self.push is not None:
+            self.push.start_step()
+
+    def _register_push(self, r: PushRegistration) -> None:
+        self.translator.add(r.transfer_id, r.request_id)
+        expectation = PushExpectation(r.request_id, r.transfer_id, r.token, frozenset(r.block_ids), r.host, r.port,
+                                      time.monotonic() + self.push_timeout_s)
+        register = PushRegister(transfer_id=r.transfer_id, block_ids=list(r.block_ids), first_block=r.first_block,
+                                num_tokens=r.num_tokens, consumer_engine_id=self.agent.config.engine_id,
+                                consumer_host=self.agent.config.host, consumer_port=self.agent.port, token=r.token)
+        self.agent.expect_push(expectation, register)
+
+    def has_pending_work(self) -> bool:
+        return self.agent.has_push_work() or (self.push is not None and self.push.has_pending_work())
+
+    def save_kv_layer(self, layer_index: int) -> None:
+        if self.push is not None:
+            self.push.save_layer(layer_index)
+
+    def wait_for_save(self) -> None:
+        if self.push is not None:
+            self.push.end_step()
 
     def get_finished(self, finished_req_ids: set[ReqId]) -> tuple[set[ReqId], set[ReqId]]:
         sending = {ReqId(key) for key in self.agent.take_released()}
+        if self.push is not None:
+            sending |= self.push.finished_requests()
         recving: set[ReqId] = set()
         for result in self.agent.take_completed():
             recving.add(result.request_id)
+            self.translator.remove_request(result.request_id)
             if not result.ok:
                 self._failed.add(result.request_id)
         return sending, recving

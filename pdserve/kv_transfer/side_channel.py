@@ -20,6 +20,12 @@ from pdserve.kv_transfer.messages import Ack, Message, ProtocolError, decode, en
 log = logging.getLogger(__name__)
 
 Handler = Callable[[Message], Awaitable[Message]]
+# Sees every message sent or received ("sent"/"received", message): for drills and tests of what crosses.
+Capture = Callable[[str, Message], None]
+
+
+def _no_capture(direction: str, message: Message) -> None:
+    pass
 
 
 class SideChannelError(RuntimeError):
@@ -59,7 +65,8 @@ class _FaultySender:
 
 class SideChannelServer:
     def __init__(self, ctx: zmq.asyncio.Context, host: str, port: int, handler: Handler,
-                 faults: FaultInjector | None = None) -> None:
+                 faults: FaultInjector | None = None, capture: Capture = _no_capture) -> None:
+        self.capture = capture
         self.socket = ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         if port == 0:
@@ -82,12 +89,15 @@ class SideChannelServer:
 
     async def _answer(self, identity: bytes, message_id: bytes, body: bytes) -> None:
         try:
-            reply = await self.handler(decode(body))
+            message = decode(body)
+            self.capture("received", message)
+            reply = await self.handler(message)
         except ProtocolError as exc:
             reply = Ack(ok=False, error=str(exc))
         except Exception as exc:  # noqa: BLE001 - a bad message must not stop the server
             log.exception("side-channel handler failed")
             reply = Ack(ok=False, error=f"{type(exc).__name__}: {exc}")
+        self.capture("sent", reply)
         await self.sender.send([identity, message_id, encode(reply)])
 
     def close(self) -> None:
@@ -99,7 +109,9 @@ class SideChannelServer:
 class SideChannelClient:
     """One DEALER connection to a peer's side channel."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, host: str, port: int, faults: FaultInjector | None = None) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, host: str, port: int, faults: FaultInjector | None = None,
+                 capture: Capture = _no_capture) -> None:
+        self.capture = capture
         self.address = (host, port)
         self.socket = ctx.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -117,15 +129,19 @@ class SideChannelClient:
             future = self._pending.pop(frames[0], None)
             if future is not None and not future.done():
                 try:
-                    future.set_result(decode(frames[1]))
+                    reply = decode(frames[1])
                 except ProtocolError as exc:
                     future.set_exception(SideChannelError(str(exc)))
+                else:
+                    self.capture("received", reply)
+                    future.set_result(reply)
 
     async def request(self, message: Message, timeout: float) -> Message:
         message_id = next(self._ids).to_bytes(8, "big")
         future = asyncio.get_running_loop().create_future()
         self._pending[message_id] = future
         try:
+            self.capture("sent", message)
             await self.sender.send([message_id, encode(message)])
             return await asyncio.wait_for(future, timeout)
         except TimeoutError as exc:

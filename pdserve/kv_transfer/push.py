@@ -1,0 +1,229 @@
+"""Push mode: P writes each layer's KV into D's registered blocks as soon as the layer is computed.
+
+D registers its blocks with P's side channel, keyed by the gateway's transfer_id; the registration may arrive
+before P starts, during its prefill, or after it has finished. Blocks P computed before the registration
+arrived are first copied whole (catch-up), then every layer of every later chunk as the model produces it.
+All writes go through one writer thread, so they land in the order issued; write-done follows the last one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from pdserve.engine.kv_cache_manager import cdiv
+from pdserve.ids import ReqId, TransferId
+from pdserve.kv_transfer.agent import TransferAgent
+from pdserve.kv_transfer.messages import PushRegister
+from pdserve.kv_transfer.translator import TransferMap
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PushChunk:
+    """A push request's prefill chunk computed in this step (tokens [start, end))."""
+
+    request_id: ReqId
+    transfer_id: TransferId
+    block_ids: tuple[int, ...]
+    start: int
+    end: int
+    last: bool  # the prompt is complete after this chunk
+
+
+@dataclass(frozen=True, slots=True)
+class PushEnded:
+    """A push request finished on P: `handed_off` if its KV is complete and should reach D."""
+
+    request_id: ReqId
+    transfer_id: TransferId
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    handed_off: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PushRegistration:
+    """D: register these blocks with P for this transfer."""
+
+    request_id: ReqId
+    transfer_id: TransferId
+    host: str
+    port: int
+    engine_id: str
+    first_block: int
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    token: str
+
+
+@dataclass(eq=False)
+class _Source:
+    request_id: ReqId
+    transfer_id: TransferId
+    block_ids: tuple[int, ...] = ()
+    computed: int = 0  # prompt tokens whose KV exists on P
+    registration: PushRegister | None = None
+    finished: bool = False
+    handed_off: bool = False
+    released: bool = False
+    failed: str = ""
+    done: bool = False  # write-done (or failure notice) sent
+    done_submitted: bool = False
+    deadline: float = 0.0
+
+
+class PushProducer:
+    """P's side, inside the worker half: tracks push requests and issues their writes."""
+
+    def __init__(self, agent: TransferAgent, translator: TransferMap, block_size: int, num_layers: int,
+                 unregistered_timeout_s: float) -> None:
+        self.agent = agent
+        self.translator = translator
+        self.block_size = block_size
+        self.num_layers = num_layers
+        self.unregistered_timeout_s = unregistered_timeout_s
+        self.sources: dict[TransferId, _Source] = {}
+        self._orphans: dict[str, tuple[PushRegister, float]] = {}  # registrations for transfers we do not know yet
+        self._step: list[PushChunk] = []
+        self.expired = 0
+
+    # -- per step --------------------------------------------------------------------------------------------
+    def bind(self, chunks: list[PushChunk], ended: list[PushEnded]) -> None:
+        for chunk in chunks:
+            source = self._source(chunk.request_id, chunk.transfer_id)
+            source.block_ids = chunk.block_ids
+        self._step = list(chunks)
+        for end in ended:
+            source = self._source(end.request_id, end.transfer_id)
+            source.block_ids, source.computed = end.block_ids, end.num_tokens
+            source.finished, source.handed_off = True, end.handed_off
+            source.deadline = time.monotonic() + self.unregistered_timeout_s
+            if not end.handed_off and source.registration is not None and not source.done_submitted:
+                self._submit_done(source, ok=False, error="the prefill request ended without its KV")
+
+    def _source(self, request_id: ReqId, transfer_id: TransferId) -> _Source:
+        source = self.sources.get(transfer_id)
+        if source is None:
+            source = self.sources[transfer_id] = _Source(request_id, transfer_id)
+            self.translator.add(transfer_id, request_id)
+            orphan = self._orphans.pop(transfer_id, None)
+            if orphan is not None:
+                self._attach(source, orphan[0])
+        return source
+
+    def start_step(self) -> None:
+        """Take what arrived on the side channel: registrations (catch up on them) and releases."""
+        for registration in self.agent.take_registrations():
+            source = self.sources.get(TransferId(registration.transfer_id))
+            if source is None:  # it may arrive before P has even seen the request
+                self._orphans[registration.transfer_id] = (registration, time.monotonic())
+            else:
+                self._attach(source, registration)
+        for transfer_id in self.agent.take_push_releases():
+            self._release(transfer_id)
+        self._expire_orphans()
+
+    def _release(self, transfer_id: str) -> None:
+        """D gave up: stop writing and answer at once, so D can reuse its blocks without waiting."""
+        orphan = self._orphans.pop(transfer_id, None)
+        if orphan is not None:
+            self.agent.send_write_done(orphan[0], ok=False, error="released by the consumer")
+        source = self.sources.get(TransferId(transfer_id))
+        if source is None:
+            return
+        source.released = True
+        if source.registration is not None and not source.done_submitted:
+            self._submit_done(source, ok=False, error="released by the consumer")
+
+    def _attach(self, source: _Source, registration: PushRegister) -> None:
+        if source.registration is not None:
+            return  # a duplicated registration message
+        source.registration = registration
+        if source.computed > 0:
+            self._write(source, 0, source.computed, layer=None)  # catch up on what was computed before
+        if source.finished:
+            self._submit_done(source, ok=source.handed_off,
+                              error="" if source.handed_off else "the prefill request ended without its KV")
+
+    def save_layer(self, layer: int) -> None:
+        for chunk in self._step:
+            source = self.sources.get(chunk.transfer_id)
+            if source is None or source.registration is None or source.released:
+                continue
+            self._write(source, chunk.start, chunk.end, layer)
+            if layer == self.num_layers - 1 and chunk.last:
+                self._submit_done(source, ok=True)
+
+    def end_step(self) -> None:
+        for chunk in self._step:
+            source = self.sources.get(chunk.transfer_id)
+            if source is not None:
+                source.computed = max(source.computed, chunk.end)
+        self._step = []
+
+    def finished_requests(self) -> set[ReqId]:
+        """Finished push requests whose blocks P may free now: written, released, failed or expired."""
+        out: set[ReqId] = set()
+        now = time.monotonic()
+        for transfer_id, source in list(self.sources.items()):
+            if not source.finished:
+                continue
+            expired = source.registration is None and now >= source.deadline
+            if source.done or source.released or expired or (source.registration is None and not source.handed_off):
+                if expired and source.handed_off:
+                    self.expired += 1
+                    log.warning("push transfer %s: no decode instance registered in %.0f s; freed", transfer_id,
+                                self.unregistered_timeout_s)
+                out.add(source.request_id)
+                del self.sources[transfer_id]
+                self.translator.remove_request(source.request_id)
+        return out
+
+    # -- writes ----------------------------------------------------------------------------------------------
+    def _write(self, source: _Source, start: int, end: int, layer: int | None) -> None:
+        registration = source.registration
+        assert registration is not None
+        first = registration.first_block
+        local, remote = [], []
+        for index in range(start // self.block_size, cdiv(end, self.block_size)):
+            if index < first or index - first >= len(registration.block_ids) or index >= len(source.block_ids):
+                continue
+            local.append(source.block_ids[index])
+            remote.append(registration.block_ids[index - first])
+        if local:
+            self.agent.writer.submit(self._run_write, source, registration, local, remote, layer)
+
+    def _run_write(self, source: _Source, registration: PushRegister, local: list[int], remote: list[int],
+                   layer: int | None) -> None:
+        if source.failed or source.released:
+            return
+        try:
+            self.agent.write_blocks(registration, local, remote, layer)
+        except Exception as exc:  # noqa: BLE001 - reported to D through write-done
+            source.failed = f"{type(exc).__name__}: {exc}"
+            log.warning("push write for %s failed: %s", registration.transfer_id, source.failed)
+
+    def _submit_done(self, source: _Source, ok: bool, error: str = "") -> None:
+        source.done_submitted = True
+        self.agent.writer.submit(self._run_done, source, ok, error)
+
+    def _run_done(self, source: _Source, ok: bool, error: str) -> None:
+        registration = source.registration
+        if registration is not None:
+            ok = ok and not source.failed and not source.released
+            self.agent.send_write_done(registration, ok, error or source.failed)
+        source.done = True
+        self.agent.on_event()
+
+    def _expire_orphans(self) -> None:
+        now = time.monotonic()
+        for transfer_id, (registration, arrived) in list(self._orphans.items()):
+            if now - arrived > self.unregistered_timeout_s:
+                del self._orphans[transfer_id]
+                self.agent.send_write_done(registration, ok=False, error="this instance has no such transfer")
+
+    def has_pending_work(self) -> bool:
+        return bool(self._orphans or self.sources)

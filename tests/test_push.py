@@ -1,0 +1,217 @@
+"""Push mode with real processes: parallel P‖D joined by a transfer_id, P writing each layer into D's blocks."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from pdserve.ids import new_transfer_id
+from pdserve.launcher import start, start_instance
+from server_utils import metric_values, sse_events, wait_until_idle
+
+COMMON = ["--max-model-len", "512", "--num-kv-blocks", "192", "--served-model-name", "tiny",
+          "--max-num-batched-tokens", "16"]
+
+
+@pytest.fixture(scope="module", params=["shm", "tcp"])
+def cluster(request, models, tmp_path_factory):
+    model = models("qwen3")
+    plane = request.param
+    capture = tmp_path_factory.mktemp("capture")
+
+    def kv(role: str, name: str, **extra) -> str:
+        return json.dumps({"kv_connector": "PdConnector", "kv_role": role, "kv_connector_extra_config": {
+            "data_plane": plane, "capture_messages": str(capture / f"{name}.jsonl"), **extra}})
+
+    procs = []
+    try:
+        # P's steps are slowed (a drill setting) so a test can register while P is partway through a prefill.
+        procs.append(start_instance(model, *COMMON, "--kv-transfer-config",
+                                    kv("kv_producer", "P", kv_lease_duration=2.0,
+                                       fault_injection={"step_delay_s": 0.01}), name="P"))
+        procs.append(start_instance(model, *COMMON, "--kv-transfer-config",
+                                    kv("kv_consumer", "D", push_registration_timeout=3.0), name="D"))
+        procs.append(start_instance(model, *COMMON, name="C"))
+        procs.append(start("gateway", ["gateway", "--prefill", procs[0].url, "--decode", procs[1].url, "--protocol",
+                                       "push", "--port", "0", "--log-level", "warning"]))
+        yield {"P": procs[0], "D": procs[1], "C": procs[2], "G": procs[3], "capture": capture}
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+@pytest.fixture(autouse=True)
+def ends_clean(cluster):
+    yield
+    for name in ("P", "D"):
+        idle = wait_until_idle(cluster[name].url, timeout=15)
+        assert idle["pdserve:kv_transfer_map_size"] == 0, f"{name} left transfer map entries"
+        assert idle.get("pdserve:kv_push_expected", 0) == 0
+
+
+def completion(url: str, body: dict, **kw) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", json={"model": "tiny", "temperature": 0, "ignore_eos": True, **body},
+                      timeout=60, **kw)
+
+
+def same_answer(a: dict, b: dict) -> None:
+    x, y = a["choices"][0], b["choices"][0]
+    assert x["token_ids"] == y["token_ids"]
+    diffs = [abs(p - q) for p, q in zip(x["logprobs"]["token_logprobs"], y["logprobs"]["token_logprobs"])]
+    assert max(diffs) < 1e-4
+
+
+@pytest.mark.parametrize("length", [1, 7, 32, 100])
+def test_push_through_gateway_equals_colocated(cluster, length):
+    body = {"prompt": list(range(50, 50 + length)), "max_tokens": 10, "logprobs": 1, "return_token_ids": True}
+    done_before = metric_values(cluster["D"].url)["pdserve:kv_push_done_ok_total"]
+    r = completion(cluster["G"].url, body)
+    assert r.status_code == 200, r.text
+    same_answer(r.json(), completion(cluster["C"].url, body).json())
+    assert metric_values(cluster["D"].url)["pdserve:kv_push_done_ok_total"] == done_before + 1  # it really pushed
+
+
+def test_prefix_hits_on_p_and_d(cluster):
+    shared = list(range(900, 964))
+    for tail in ([1, 2, 3], [4, 5, 6, 7]):
+        body = {"prompt": shared + tail, "max_tokens": 6, "logprobs": 1, "return_token_ids": True}
+        r = completion(cluster["G"].url, body)
+        same_answer(r.json(), completion(cluster["C"].url, body).json())
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 64  # P's hit, reported by the gateway
+
+
+def push_params(cluster, transfer_id: str) -> dict:
+    P = cluster["P"]
+    return {"do_remote_prefill": True, "do_remote_decode": False, "transfer_mode": "push", "transfer_id": transfer_id,
+            "remote_engine_id": P.ready["engine_id"], "remote_host": "127.0.0.1",
+            "remote_port": P.ready["side_channel_port"]}
+
+
+def prefill_leg(cluster, prompt: list[int], transfer_id: str) -> httpx.Response:
+    return completion(cluster["P"].url, {"prompt": prompt, "max_tokens": 1, "kv_transfer_params": {
+        "do_remote_decode": True, "transfer_mode": "push", "transfer_id": transfer_id}})
+
+
+def decode_leg(cluster, prompt: list[int], transfer_id: str, **extra) -> httpx.Response:
+    return completion(cluster["D"].url, {"prompt": prompt, "max_tokens": 8, "logprobs": 1, "return_token_ids": True,
+                                         "kv_transfer_params": push_params(cluster, transfer_id), **extra})
+
+
+def wait_for(predicate, timeout=15.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_registration_before_prefill_starts(cluster):
+    prompt, xfer = list(range(7, 47)), new_transfer_id()
+    with ThreadPoolExecutor(1) as pool:
+        d = pool.submit(decode_leg, cluster, prompt, xfer)
+        wait_for(lambda: metric_values(cluster["D"].url)["pdserve:kv_push_expected"] == 1, what="D to register")
+        time.sleep(0.1)  # the registration reaches P before P has the request at all
+        assert prefill_leg(cluster, prompt, xfer).status_code == 200
+        same_answer(d.result(60).json(), completion(cluster["C"].url, {
+            "prompt": prompt, "max_tokens": 8, "logprobs": 1, "return_token_ids": True}).json())
+
+
+def test_registration_after_prefill_finished(cluster):
+    prompt, xfer = list(range(80, 130)), new_transfer_id()
+    p = prefill_leg(cluster, prompt, xfer)
+    assert p.status_code == 200 and p.json()["kv_transfer_params"]["transfer_mode"] == "push"
+    assert metric_values(cluster["P"].url)["pdserve:kv_blocks_in_use"] > 0  # P holds it for a D to register
+    same_answer(decode_leg(cluster, prompt, xfer).json(), completion(cluster["C"].url, {
+        "prompt": prompt, "max_tokens": 8, "logprobs": 1, "return_token_ids": True}).json())
+
+
+def test_registration_during_prefill(cluster):
+    """A long chunked prefill on P (16 tokens per step); D registers while P is partway through."""
+    prompt, xfer = list(range(1, 481)), new_transfer_id()
+    with ThreadPoolExecutor(2) as pool:
+        p = pool.submit(prefill_leg, cluster, prompt, xfer)
+        wait_for(lambda: metric_values(cluster["P"].url)["vllm:num_requests_running"] == 1, what="P to start")
+        d = pool.submit(decode_leg, cluster, prompt, xfer)
+        p_done_at = (p.result(60), time.time())[1]
+        d_answer = d.result(60).json()
+    registered = [json.loads(line) for line in (cluster["capture"] / "P.jsonl").read_text().splitlines()
+                  if f'"{xfer}"' in line and '"PushRegister"' in line]
+    assert registered and registered[0]["time"] < p_done_at  # it arrived while P was still computing
+    same_answer(d_answer, completion(cluster["C"].url, {
+        "prompt": prompt, "max_tokens": 8, "logprobs": 1, "return_token_ids": True}).json())
+
+
+def test_32_concurrent_pushes(cluster):
+    bodies = [{"prompt": list(range(i * 3, i * 3 + 5 + (i * 11) % 70)), "max_tokens": 6, "logprobs": 1,
+               "return_token_ids": True} for i in range(32)]
+    with ThreadPoolExecutor(32) as pool:
+        answers = list(pool.map(lambda b: completion(cluster["G"].url, b).json(), bodies))
+    for body, answer in zip(bodies, answers):
+        same_answer(answer, completion(cluster["C"].url, body).json())
+
+
+def _post_then_drop(port: int, body: dict, after: callable) -> None:
+    payload = json.dumps({"model": "tiny", **body}).encode()
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+                 + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+    after()
+    sock.close()
+
+
+def test_abort_before_registration_is_answered(cluster):
+    """D registered with a P that never got the request: aborting D frees everything at once, not at a timeout."""
+    xfer = new_transfer_id()
+    started = time.monotonic()
+    _post_then_drop(cluster["D"].port, {"prompt": list(range(30)), "max_tokens": 5,
+                                        "kv_transfer_params": push_params(cluster, xfer)},
+                    lambda: wait_for(lambda: metric_values(cluster["D"].url)["pdserve:kv_push_expected"] == 1))
+    wait_until_idle(cluster["D"].url, timeout=5)
+    assert time.monotonic() - started < 2.5  # freed on P's answer, before D's 3 s registration timeout
+
+
+def test_abort_during_writes(cluster):
+    prompt, xfer = list(range(2, 482)), new_transfer_id()
+    with ThreadPoolExecutor(1) as pool:
+        p = pool.submit(prefill_leg, cluster, prompt, xfer)
+        wait_for(lambda: metric_values(cluster["P"].url)["vllm:num_requests_running"] == 1, what="P to start")
+        failed_before = metric_values(cluster["D"].url)["pdserve:kv_push_done_failed_total"]
+        _post_then_drop(cluster["D"].port, {"prompt": prompt, "max_tokens": 5,
+                                            "kv_transfer_params": push_params(cluster, xfer)},
+                        lambda: wait_for(lambda: metric_values(cluster["D"].url)["pdserve:kv_push_expected"] == 1))
+        assert p.result(60).status_code == 200
+    wait_until_idle(cluster["D"].url, timeout=5)
+    assert metric_values(cluster["D"].url)["pdserve:kv_push_done_failed_total"] == failed_before + 1
+    wait_until_idle(cluster["P"].url, timeout=5)  # P freed on the release, not at its deadline
+
+
+def test_abort_after_write_done_and_client_disconnect(cluster):
+    with httpx.stream("POST", cluster["G"].url + "/v1/completions",
+                      json={"model": "tiny", "prompt": list(range(60)), "max_tokens": 300, "ignore_eos": True,
+                            "stream": True}, timeout=60) as r:
+        next(sse_events(r))  # tokens are flowing: the push is done; leave now
+
+
+def test_unregistered_prefill_is_dropped_by_its_deadline(cluster):
+    before = metric_values(cluster["P"].url)["pdserve:kv_push_unregistered_expired_total"]
+    assert prefill_leg(cluster, list(range(40)), new_transfer_id()).status_code == 200
+    wait_until_idle(cluster["P"].url, timeout=10)
+    assert metric_values(cluster["P"].url)["pdserve:kv_push_unregistered_expired_total"] == before + 1
+
+
+def test_internal_ids_never_cross_instances(cluster):
+    prompt, xfer = list(range(100, 140)), new_transfer_id()
+    p = prefill_leg(cluster, prompt, xfer)
+    d = decode_leg(cluster, prompt, xfer)
+    p_id, d_id = p.headers["x-pdserve-request-ids"], d.headers["x-pdserve-request-ids"]
+    assert p_id != d_id
+    traffic = "".join(f.read_text() for f in cluster["capture"].glob("*.jsonl"))
+    assert xfer in traffic  # the capture saw this transfer...
+    assert p_id not in traffic and d_id not in traffic  # ...and no internal request id
