@@ -1,26 +1,28 @@
-"""Gateway overhead: the pdserve gateway vs vllm-router vs sglang-router vs a direct call, side by side, in one run.
+"""Gateway overhead: pdserve gateway vs vllm-router vs sglang-router vs a direct call, side by side.
 
 Two stub backends (bench/stub_backend.py; P and D, one process each) answer instantly, so what is left is the
 router's own cost. For every target, in rounds, interleaved (the order rotates each round):
 
 * c32:    wrk -t1 -c32 (after a warm-up), POST /v1/completions with a ~110-byte JSON body, non-streaming. The
           figure of merit is the router's CPU-µs per proxied request: utime+stime of the router's process tree
-          (/proc/<pid>/stat) over the run divided by the requests wrk completed. req/s mostly measures the box.
+          (/proc/<pid>/stat) over the run divided by the requests wrk completed (req/s mostly measures the
+          box).
 * c1:     wrk -t1 -c1: unloaded p50 / p99, and added p50 = target p50 - direct p50 (same round).
 * stream: the c32 run with "stream": true (pdserve, vllm-router and direct).
-* idle:   every router's CPU over an idle window as long as a c32 run (pdserve scrapes /metrics every 0.2 s and
-          probes /health every 1 s). "net" µs/req subtracts that idle rate over the run's wall time; "raw" does not.
+* idle:   every router's CPU over an idle window as long as a c32 run (pdserve scrapes /metrics every 0.2 s
+          and probes /health every 1 s). "net" µs/req subtracts that idle rate over the run's wall time; "raw"
+          does not.
 
 Each run records the cores other processes used (box busy time minus everything this benchmark started): above
 ~0.3 cores the req/s and latency figures are suspect; the CPU-µs figures hold up better.
 
     .venv/bin/python bench/gateway.py --quick
     .venv/bin/python bench/gateway.py --rounds 3 --json /tmp/gateway.json
-    .venv/bin/python bench/gateway.py --targets direct,pdserve --profile /tmp/gw-profile   # py-spy, pdserve alone
+    .venv/bin/python bench/gateway.py --targets direct,pdserve --profile /tmp/gw-prof  # + py-spy and perf
 
-vllm-router and sglang-router are pip-installed into .cache/peers/{vllm-router,sglang-router} (reused when there).
-Targets are checked against ../shared/docs/reference/peer-routers.md: pdserve CPU per request <= 2x vllm-router's
-and <= 290 µs; pdserve added p50 at c=1 <= 0.6 ms.
+vllm-router and sglang-router are pip-installed into .cache/peers/{vllm-router,sglang-router} (reused when
+there). Targets (from ../shared/docs/reference/peer-routers.md): pdserve CPU per request <= 2x
+vllm-router's and <= 290 µs; pdserve added p50 at c=1 <= 0.6 ms.
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ def median(xs: list[float]) -> float:
 
 
 class Bench:
-    def __init__(self, wrk: str, stubs: list[R.Proc], routers: dict[str, R.Proc], scripts: dict[str, Path]) -> None:
+    def __init__(self, wrk: str, stubs: list[R.Proc], routers: dict[str, R.Proc],
+                 scripts: dict[str, Path]) -> None:
         self.wrk = wrk
         self.stubs = stubs  # [P, D]
         self.routers = routers  # target name -> process (direct has none)
@@ -71,8 +74,9 @@ class Bench:
 
     def _snapshot(self) -> tuple[float, float, float, dict[str, float], dict[str, float], dict[str, float]]:
         t = os.times()
-        return (time.monotonic(), R.box_busy_seconds(), t.user + t.system, {p.name: p.cpu() for p in self.procs},
-                {p.name: p.sched() for p in self.procs}, {p.name: p.sys() for p in self.procs})
+        return (time.monotonic(), R.box_busy_seconds(), t.user + t.system,
+                {p.name: p.cpu() for p in self.procs}, {p.name: p.sched() for p in self.procs},
+                {p.name: p.sys() for p in self.procs})
 
     def run(self, target: str, url: str, kind: str, conns: int, seconds: float) -> dict[str, Any]:
         for p in self.procs:
@@ -136,7 +140,8 @@ def sanity(name: str, url: str, streaming: bool) -> list[str]:
             problems.append(f"{name}: non-stream answer is not D's: {data[:300]!r}")
     if streaming:
         status, data, headers = R.post(url, "/v1/completions", STREAM_BODY)
-        if status != 200 or b"data: [DONE]" not in data or "event-stream" not in headers.get("content-type", ""):
+        content_type = headers.get("content-type", "")
+        if status != 200 or b"data: [DONE]" not in data or "event-stream" not in content_type:
             problems.append(f"{name}: stream answered {status} {headers.get('content-type')}: {data[:300]!r}")
     return problems
 
@@ -197,15 +202,16 @@ def fmt(x: float, spec: str = ".0f") -> str:
 def print_tables(summary: dict[str, Any], targets: list[str]) -> list[dict[str, Any]]:
     rows = summary["rows"]
     print("\n## c=32, non-streaming (wrk -t1 -c32; medians over rounds)")
-    print("| target | req/s (min..max) | router CPU µs/req raw (min..max) | net of idle | schedstat | of it kernel "
-          "| router % core | P µs/req | D µs/req | p50 ms | p99 ms | errors | others cores |")
+    print("| target | req/s (min..max) | router CPU µs/req raw (min..max) | net of idle | schedstat "
+          "| of it kernel | router % core | P µs/req | D µs/req | p50 ms | p99 ms | errors | others cores |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for t in targets:
         r = rows.get(f"{t}/c32")
         if r:
             print(f"| {t} | {r['rps']:.0f} ({r['rps_min']:.0f}..{r['rps_max']:.0f}) | "
-                  f"**{fmt(r['router_us_per_req'])}** ({fmt(r['router_us_min'])}..{fmt(r['router_us_max'])}) | "
-                  f"{fmt(r['router_us_net'])} | {fmt(r['router_sched_us_per_req'])} | {fmt(r['router_sys_us_per_req'])} | "
+                  f"**{fmt(r['router_us_per_req'])}** "
+                  f"({fmt(r['router_us_min'])}..{fmt(r['router_us_max'])}) | {fmt(r['router_us_net'])} | "
+                  f"{fmt(r['router_sched_us_per_req'])} | {fmt(r['router_sys_us_per_req'])} | "
                   f"{fmt(r['router_core_pct'])} | "
                   f"{r['p_us_per_req']:.0f} | "
                   f"{r['d_us_per_req']:.0f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['errors']} | "
@@ -224,14 +230,15 @@ def print_tables(summary: dict[str, Any], targets: list[str]) -> list[dict[str, 
                   f"{r['errors']} | {r['others_cores']:.2f} |")
     if any(f"{t}/stream" in rows for t in targets):
         print("\n## c=32, streaming (\"stream\": true; SSE from D)")
-        print("| target | req/s | router CPU µs/req raw (min..max) | net of idle | P µs/req | D µs/req | p50 ms | "
-              "p99 ms | errors | others cores |")
+        print("| target | req/s | router CPU µs/req raw (min..max) | net of idle | P µs/req | D µs/req | "
+              "p50 ms | p99 ms | errors | others cores |")
         print("|---|---|---|---|---|---|---|---|---|---|")
         for t in targets:
             r = rows.get(f"{t}/stream")
             if r:
-                print(f"| {t} | {r['rps']:.0f} | **{fmt(r['router_us_per_req'])}** ({fmt(r['router_us_min'])}.."
-                      f"{fmt(r['router_us_max'])}) | {fmt(r['router_us_net'])} | {r['p_us_per_req']:.0f} | "
+                print(f"| {t} | {r['rps']:.0f} | **{fmt(r['router_us_per_req'])}** "
+                      f"({fmt(r['router_us_min'])}..{fmt(r['router_us_max'])}) | {fmt(r['router_us_net'])} | "
+                      f"{r['p_us_per_req']:.0f} | "
                       f"{r['d_us_per_req']:.0f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['errors']} | "
                       f"{r['others_cores']:.2f} |")
     if summary["idle"]:
@@ -271,7 +278,8 @@ def check_targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
                        "pass": pd["errors"] == 0})
     if pd1:
         checks.append({"check": "pdserve added p50 at c=1 (ms)", "value": pd1["added_p50_ms"],
-                       "target": f"<= {TARGET_ADDED_P50_MS}", "pass": pd1["added_p50_ms"] <= TARGET_ADDED_P50_MS})
+                       "target": f"<= {TARGET_ADDED_P50_MS}",
+                       "pass": pd1["added_p50_ms"] <= TARGET_ADDED_P50_MS})
     vr1 = rows.get("vllm-router/c1")
     if pd1 and vr1:
         checks.append({"check": "pdserve - vllm-router added p50 at c=1 (ms; info only)",
@@ -279,7 +287,8 @@ def check_targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
     pds, vrs = rows.get("pdserve/stream"), rows.get("vllm-router/stream")
     if pds and vrs:
         checks.append({"check": "pdserve / vllm-router CPU µs/req, streaming c=32 (raw; info only)",
-                       "value": pds["router_us_per_req"] / vrs["router_us_per_req"], "target": "–", "pass": None})
+                       "value": pds["router_us_per_req"] / vrs["router_us_per_req"], "target": "–",
+                       "pass": None})
     print("| check | value | target | result |")
     print("|---|---|---|---|")
     for c in checks:
@@ -292,16 +301,17 @@ def check_targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def profile_pdserve(bench: Bench, url: str, pid: int, out: Path, seconds: int, conns: int) -> None:
-    """py-spy the gateway under wrk -c`conns`: Python-level samples (--nonblocking: the process is never paused)
-    for the tables, then a --native flame graph (pauses it for every sample, which over-weights syscalls such as
-    write(); read kernel vs user time from the c32 table's 'of it kernel' column instead)."""
+    """py-spy the gateway under wrk -c`conns`: Python-level samples (--nonblocking: the process is never
+    paused) for the tables, then a --native flame graph (pauses it for every sample, which over-weights
+    syscalls such as write(); read kernel vs user time from /proc instead). Then perf_profile."""
     pyspy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     if not os.access(pyspy, os.X_OK):
         print(f"py-spy not found: {Path(sys.executable).parent / 'pip'} install py-spy")
         return
     out.mkdir(parents=True, exist_ok=True)
     raw = out / "pdserve-gateway.txt"
-    passes = (("raw", raw, ["--nonblocking"]), ("flamegraph", out / "pdserve-gateway-native.svg", ["--native"]))
+    svg = out / "pdserve-gateway-native.svg"
+    passes = (("raw", raw, ["--nonblocking"]), ("flamegraph", svg, ["--native"]))
     results = {}
     for fmt_, path, flags in passes:
         rec = subprocess.Popen([pyspy, "record", *flags, "--rate", "500", "-d", str(seconds + 1), "-f", fmt_,
@@ -322,10 +332,11 @@ def profile_pdserve(bench: Bench, url: str, pid: int, out: Path, seconds: int, c
             if fmt_ == "raw":
                 return
     r = results["raw"]
-    print(f"\n## profile of the pdserve gateway under wrk -c{conns} ({seconds} s, py-spy --nonblocking at 500 Hz: "
-          f"{r['router_us_per_req']:.0f} µs/req of which kernel {r['router_sys_us_per_req']:.0f}, {r['rps']:.0f} req/s)")
+    print(f"\n## profile of the pdserve gateway under wrk -c{conns} ({seconds} s, py-spy --nonblocking at "
+          f"500 Hz: {r['router_us_per_req']:.0f} µs/req of which kernel {r['router_sys_us_per_req']:.0f}, "
+          f"{r['rps']:.0f} req/s)")
     print_profile(raw, r["router_us_per_req"], r["router_sys_us_per_req"])
-    print(f"\ncollapsed stacks: {raw}\nnative flame graph: {out / 'pdserve-gateway-native.svg'}")
+    print(f"\ncollapsed stacks: {raw}\nnative flame graph: {svg}")
     perf_profile(bench, url, pid, out, seconds, conns)
 
 
@@ -359,7 +370,7 @@ def _is_write_line(frame: str) -> bool:
         _, _, where = frame.rpartition(" (")
         path, _, line = where.rstrip(")").rpartition(":")
         text = ""
-        for base in (R.ROOT, *(Path(p) for p in sys.path if p)):  # py-spy shortens paths below sys.path entries
+        for base in (R.ROOT, *(Path(p) for p in sys.path if p)):  # py-spy shortens paths below sys.path
             try:
                 text = (base / path).read_text().splitlines()[int(line) - 1]
                 break
@@ -370,9 +381,9 @@ def _is_write_line(frame: str) -> bool:
 
 
 def print_profile(raw: Path, us_per_req: float, sys_us_per_req: float, top: int = 25) -> None:
-    """Tables from py-spy's collapsed stacks. py-spy samples wall-clock time of a busy thread, not CPU time: the
-    samples whose leaf is a transport.write line are shown apart, and the rest are scaled to user CPU per request
-    (router CPU µs/req minus kernel µs/req, both from /proc)."""
+    """Tables from py-spy's collapsed stacks. py-spy samples wall-clock time of a busy thread, not CPU time:
+    the samples whose leaf is a transport.write line are shown apart, and the rest are scaled to user CPU per
+    request (router CPU µs/req minus kernel µs/req, both from /proc)."""
     self_time: Counter = Counter()
     incl: Counter = Counter()
     total = writes = 0
@@ -397,9 +408,9 @@ def print_profile(raw: Path, us_per_req: float, sys_us_per_req: float, top: int 
         print("(no samples)")
         return
     user = us_per_req - sys_us_per_req
-    print(f"{total} samples; {100 * writes / total:.1f}% at transport.write lines (send() plus waiting for the CPU "
-          f"after waking the peer; the kernel's share of CPU is {sys_us_per_req:.0f} µs/req by /proc). The other "
-          f"{rest} samples are scaled to user CPU: '≈µs/req' = share × {user:.0f} µs/req.")
+    print(f"{total} samples; {100 * writes / total:.1f}% at transport.write lines (send() plus waiting for "
+          f"the CPU after waking the peer; the kernel's share of CPU is {sys_us_per_req:.0f} µs/req by "
+          f"/proc). The other {rest} samples are scaled to user CPU: '≈µs/req' = share × {user:.0f} µs/req.")
     print(f"\n### top {top} lines by self time (C calls count in their Python caller)")
     print("| self % | ≈µs/req | frame |")
     print("|---|---|---|")
@@ -420,8 +431,9 @@ def perf_profile(bench: Bench, url: str, pid: int, out: Path, seconds: int, conn
         print("perf not found (apt-get install -y linux-perf): skipping the native on-CPU profile")
         return
     data = out / "pdserve-gateway.perf.data"
-    rec = subprocess.Popen([perf, "record", "-F", "997", "-e", "cpu-clock", "-p", str(pid), "-o", str(data), "--",
-                            "sleep", str(seconds + 1)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    rec = subprocess.Popen([perf, "record", "-F", "997", "-e", "cpu-clock", "-p", str(pid), "-o", str(data),
+                            "--", "sleep", str(seconds + 1)], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT,
                            start_new_session=True)
     try:
         time.sleep(0.5)
@@ -455,8 +467,9 @@ def perf_profile(bench: Bench, url: str, pid: int, out: Path, seconds: int, conn
         for pct, name in rows[:top]:
             print(f"| {pct:.1f} | {us * pct / 100:.1f} | `{name}` |")
     if rows:
-        gc = sum(p for p, n in rows if any(k in n for k in ("gc_collect", "visit_decref", "visit_reachable",
-                                                             "move_unreachable", "subtract_refs", "update_refs")))
+        gc_syms = ("gc_collect", "visit_decref", "visit_reachable", "move_unreachable", "subtract_refs",
+                   "update_refs")
+        gc = sum(p for p, n in rows if any(k in n for k in gc_syms))
         print(f"\ncyclic GC symbols (gc_collect_main, visit_*, ...): {gc:.1f}% ≈ {us * gc / 100:.0f} µs/req")
     print(f"perf data: {data}")
 
@@ -468,15 +481,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="1 round, short runs (smoke test, ~1 min)")
     ap.add_argument("--rounds", type=int, default=None, help="rounds (default 3; 1 with --quick)")
-    ap.add_argument("--duration", type=int, default=None, help="seconds per c32 run (default 8; 3 with --quick)")
-    ap.add_argument("--c1-duration", type=int, default=None, help="seconds per c1 run (default 5; 2 with --quick)")
-    ap.add_argument("--warmup", type=int, default=None, help="seconds of warm-up before each run (default 2; 1)")
-    ap.add_argument("--targets", default=",".join(ALL_TARGETS), help=f"comma list of {', '.join(ALL_TARGETS)}")
+    ap.add_argument("--duration", type=int, default=None, help="s per c32 run (default 8; 3 with --quick)")
+    ap.add_argument("--c1-duration", type=int, default=None, help="s per c1 run (default 5; 2 with --quick)")
+    ap.add_argument("--warmup", type=int, default=None, help="s of warm-up before each run (default 2; 1)")
+    ap.add_argument("--targets", default=",".join(ALL_TARGETS),
+                    help=f"comma list of {', '.join(ALL_TARGETS)}")
     ap.add_argument("--kinds", default="c32,c1,stream", help="which runs: c32, c1, stream")
     ap.add_argument("--no-idle", action="store_true", help="skip the idle-CPU window")
     ap.add_argument("--json", type=Path, help="write every run and the summary here")
     ap.add_argument("--profile", type=Path, metavar="DIR",
-                    help="after the rounds, py-spy the pdserve gateway under c32 load; write its outputs into DIR")
+                    help="after the rounds, profile the pdserve gateway under c32 load (py-spy, perf)")
     ap.add_argument("--profile-seconds", type=int, default=10)
     args = ap.parse_args()
     rounds = args.rounds or (1 if args.quick else 3)
@@ -497,8 +511,9 @@ def main() -> int:
     runs: list[dict[str, Any]] = []
     idles: list[dict[str, Any]] = []
     try:
-        print(f"# gateway overhead benchmark  (load avg {R.loadavg()}, {os.cpu_count()} cores, body {len(BODY)} B, "
-              f"stream body {len(STREAM_BODY)} B; rounds {rounds}, c32 {duration} s, c1 {c1_duration} s, "
+        print(f"# gateway overhead benchmark  (load avg {R.loadavg()}, {os.cpu_count()} cores, "
+              f"body {len(BODY)} B, stream body {len(STREAM_BODY)} B; rounds {rounds}, c32 {duration} s, "
+              f"c1 {c1_duration} s, "
               f"warm-up {warmup} s)", flush=True)
         stub_p = R.start_stub("stub-P", "prefill", tmp)
         started.append(stub_p)
@@ -551,8 +566,9 @@ def main() -> int:
                     flag = "" if r["non2xx"] == 0 and r["socket_errors"] == 0 else \
                         f"  ERRORS non2xx={r['non2xx']} socket={r['socket_errors']}"
                     print(f"[round {rnd + 1}/{rounds}] {kind:6s} {name:13s} {r['rps']:7.0f} req/s  "
-                          f"router {fmt(r['router_us_per_req']):>5s} µs/req ({fmt(r['router_core_pct'])}% core)  "
-                          f"P {r['p_us_per_req']:.0f} D {r['d_us_per_req']:.0f} µs/req  p50 {r['p50_ms']:.3f} "
+                          f"router {fmt(r['router_us_per_req']):>5s} µs/req "
+                          f"({fmt(r['router_core_pct'])}% core)  P {r['p_us_per_req']:.0f} "
+                          f"D {r['d_us_per_req']:.0f} µs/req  p50 {r['p50_ms']:.3f} "
                           f"p99 {r['p99_ms']:.3f} ms  others {r['others_cores']:.2f}{flag}", flush=True)
         for proc in started:
             if not proc.alive():
@@ -560,7 +576,8 @@ def main() -> int:
         summary = summarize(runs, idles, targets)
         checks = print_tables(summary, targets)
         if args.profile and "pdserve" in routers:
-            profile_pdserve(bench, urls["pdserve"], routers["pdserve"].pid, args.profile, args.profile_seconds, 32)
+            profile_pdserve(bench, urls["pdserve"], routers["pdserve"].pid, args.profile,
+                            args.profile_seconds, 32)
         print(f"\nload avg at the end: {R.loadavg()}")
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -568,7 +585,8 @@ def main() -> int:
                                                         "c1_duration_s": c1_duration, "warmup_s": warmup,
                                                         "targets": targets, "kinds": kinds,
                                                         "body_bytes": len(BODY), "cores": os.cpu_count()},
-                                             "runs": runs, "idle": idles, "summary": summary, "checks": checks},
+                                             "runs": runs, "idle": idles, "summary": summary,
+                                             "checks": checks},
                                             indent=1, default=str))
             print(f"wrote {args.json}")
         return 0

@@ -96,6 +96,7 @@ EXPERIMENTS = {
     "nodelay": "HTTP server socket made with proto IPPROTO_TCP, so asyncio sets TCP_NODELAY on accepted connections",
     "nopoll": "engine loop does not sleep _IDLE_POLL_S after a step that saw a remote load finish",
     "prefault": "shm data plane: memfd pool pages touched at allocation, peer pools mapped with MAP_POPULATE",
+    "sortruns": "read_blocks sorts the (remote, local) pairs by remote id first, so descending ids merge into runs",
 }
 
 
@@ -167,6 +168,17 @@ def install_experiments(names: list[str]) -> None:
             return kv
 
         shm.ShmDataPlane.allocate = allocate
+    if "sortruns" in names:
+        from pdserve.kv_transfer.data_plane import shm, tcp
+
+        def sorting(orig):
+            def read_blocks(self, key, token, remote_ids, local_ids):
+                pairs = sorted(zip(remote_ids, local_ids))
+                return orig(self, key, token, [r for r, _ in pairs], [loc for _, loc in pairs])
+            return read_blocks
+
+        shm.ShmPeer.read_blocks = sorting(shm.ShmPeer.read_blocks)
+        tcp.TcpPeer.read_blocks = sorting(tcp.TcpPeer.read_blocks)
 
 
 class _Tracer:
@@ -262,8 +274,14 @@ def install_trace(path: str) -> None:
 
         setattr(cls, name, wrapper)
 
+    from pdserve.kv_transfer.data_plane.base import block_runs
+
     msg_type = lambda self, message, *a, **k: {"msg": type(message).__name__}  # noqa: E731
-    nblocks = lambda self, key, token, remote_ids, *a, **k: {"n": len(remote_ids)}  # noqa: E731
+
+    def nblocks(self, key, token, remote_ids, local_ids, *a, **k):
+        pairs = sorted(zip(remote_ids, local_ids))
+        return {"n": len(remote_ids), "runs": len(block_runs(list(remote_ids), list(local_ids))),
+                "runs_sorted": len(block_runs([r for r, _ in pairs], [loc for _, loc in pairs]))}
     stamp(ag.TransferAgent, "submit_load", "submit_load")
     stamp(ag.TransferAgent, "hold", "hold")
     stamp(ag.TransferAgent, "_finish_load", "finish_load")

@@ -1,8 +1,8 @@
 """Helpers for bench/gateway.py: start the stub backends and the routers (pdserve gateway, vllm-router,
 sglang-router), read CPU time of process trees from /proc, and drive wrk.
 
-Every process is started by this module with its own session, bound to 127.0.0.1 on a free port, and stopped by
-PID (SIGTERM, then SIGKILL), together with any descendants it had, in the caller's `finally`.
+Every process is started by this module with its own session, bound to 127.0.0.1 on a free port, and stopped
+by PID (SIGTERM, then SIGKILL), together with any descendants it had, in the caller's `finally`.
 """
 
 from __future__ import annotations
@@ -199,8 +199,8 @@ def wait_ready_line(popen: subprocess.Popen, timeout: float) -> dict[str, Any]:
 
 
 def start_stub(name: str, role: str, log_dir: Path) -> Proc:
-    popen, log_path = spawn(name, [sys.executable, str(BENCH_DIR / "stub_backend.py"), "--port", "0", "--role", role],
-                            log_dir, stdout_pipe=True)
+    cmd = [sys.executable, str(BENCH_DIR / "stub_backend.py"), "--port", "0", "--role", role]
+    popen, log_path = spawn(name, cmd, log_dir, stdout_pipe=True)
     try:
         ready = wait_ready_line(popen, 30)
     except BaseException:
@@ -241,12 +241,13 @@ def wait_serving(proc: Proc, body: bytes, timeout: float) -> None:
     raise RuntimeError(f"{proc.name} not serving within {timeout} s (last: {last}): {proc.log_tail()}")
 
 
-def start_pdserve(p_url: str, d_url: str, log_dir: Path, extra: list[str] | None = None, name: str = "pdserve",
-                  body: bytes = b"", env: dict[str, str] | None = None) -> Proc:
-    args = [sys.executable, "-m", "pdserve", "gateway", "--prefill", p_url, "--decode", d_url, "--protocol", "pull",
-            "--scheduling", "batch", "--policy", "round_robin", "--host", "127.0.0.1", "--port", "0",
-            "--log-level", "warning", *(extra or [])]
-    popen, log_path = spawn(name, args, log_dir, env={"PYTHONUNBUFFERED": "1", **(env or {})}, stdout_pipe=True)
+def start_pdserve(p_url: str, d_url: str, log_dir: Path, extra: list[str] | None = None,
+                  name: str = "pdserve", body: bytes = b"", env: dict[str, str] | None = None) -> Proc:
+    args = [sys.executable, "-m", "pdserve", "gateway", "--prefill", p_url, "--decode", d_url,
+            "--protocol", "pull", "--scheduling", "batch", "--policy", "round_robin", "--host", "127.0.0.1",
+            "--port", "0", "--log-level", "warning", *(extra or [])]
+    popen, log_path = spawn(name, args, log_dir, env={"PYTHONUNBUFFERED": "1", **(env or {})},
+                            stdout_pipe=True)
     proc = Proc(name, popen, "", log_path)
     try:
         ready = wait_ready_line(popen, 60)
@@ -278,8 +279,8 @@ def ensure_venv(name: str, package: str, entry: str) -> Path:
 def start_vllm_router(p_url: str, d_url: str, log_dir: Path, body: bytes) -> Proc:
     exe = ensure_venv("vllm-router", "vllm-router", "vllm-router")
     port = free_port()
-    cmd = [str(exe), "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation", "--prefill", p_url,
-           "--decode", d_url, "--policy", "round_robin", "--prometheus-host", "127.0.0.1",
+    cmd = [str(exe), "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation",
+           "--prefill", p_url, "--decode", d_url, "--policy", "round_robin", "--prometheus-host", "127.0.0.1",
            "--prometheus-port", str(free_port()), "--log-level", "warning"]
     popen, log_path = spawn("vllm-router", cmd, log_dir)
     proc = Proc("vllm-router", popen, f"http://127.0.0.1:{port}", log_path)
@@ -346,7 +347,8 @@ def find_wrk() -> str:
 def run_wrk(wrk: str, url: str, script: Path, conns: int, seconds: float, path: str = "/v1/completions"
             ) -> tuple[dict[str, Any], float]:
     """Run wrk -t1 -cN; returns its summary (from the Lua `done`) and its own CPU seconds (from wait4)."""
-    cmd = [wrk, "-t1", f"-c{conns}", f"-d{max(1, round(seconds))}s", "--timeout", "5s", "-s", str(script), url + path]
+    cmd = [wrk, "-t1", f"-c{conns}", f"-d{max(1, round(seconds))}s", "--timeout", "5s", "-s", str(script),
+           url + path]
     popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         out = popen.stdout.read().decode(errors="replace")

@@ -305,7 +305,34 @@ def bench_dataplane(args, contention: procs.Contention) -> dict[str, Any]:
 
     methods = {"memcpy": do_memcpy, "shm": do_plane("shm"), "raw": do_raw("default"), "tcp": do_plane("tcp"),
                "raw_4MiB": do_raw("4MiB")}
-    what_ifs = {"shm_index": shm_index, "shm_foreach": shm_foreach, "shm_2threads": shm_2threads}
+    # per-block views made once (a real ShmPeer could keep them from connect()); each read only indexes lists
+    local_views, remote_views = list(shm_peer.local.unbind(0)), list(shm_peer.remote.unbind(0))
+
+    def foreach_views(remote: list[int], local: list[int]) -> None:
+        torch._foreach_copy_([local_views[i] for i in local], [remote_views[i] for i in remote])
+
+    def shm_views(remote: list[int], local: list[int]) -> None:  # cached views + one _foreach_copy_ call
+        foreach_views(remote, local)
+
+    def shm_views_2t(remote: list[int], local: list[int]) -> None:  # the same, halves on two threads
+        half = len(remote) // 2
+        other = helper.submit(foreach_views, remote[half:], local[half:])
+        foreach_views(remote[:half], local[:half])
+        other.result()
+
+    def sorted_read(name):
+        def run(remote: list[int], local: list[int]) -> None:  # pairs sorted by remote id: runs merge again
+            pairs = sorted(zip(remote, local))
+            peers[name].read_blocks("bench", "token", [r for r, _ in pairs], [loc for _, loc in pairs])
+        return run
+
+    what_ifs = {
+        # pdserve's allocator frees a request's blocks tail first, so later requests get descending ids on both
+        # sides; block_runs only merges ascending pairs, so every block becomes its own run (copy / send).
+        "descending": {"shm_sorted": sorted_read("shm"), "tcp_sorted": sorted_read("tcp")},
+        "scattered": {"shm_index": shm_index, "shm_foreach": shm_foreach, "shm_2threads": shm_2threads,
+                      "shm_views": shm_views, "shm_views_2t": shm_views_2t},
+    }
     owner_pid = hello["pid"]
 
     # Warm-up: every path reads the whole pool once (page faults on both sides), then a few timed-size reads.
@@ -331,15 +358,16 @@ def bench_dataplane(args, contention: procs.Contention) -> dict[str, Any]:
                                "torch_threads": torch.get_num_threads(), "cases": []}
 
     def ids_for(pattern: str, n: int) -> tuple[list[int], list[int]]:
-        if pattern == "consecutive":
+        if pattern in ("consecutive", "descending"):
             a, b = rng.randrange(num_blocks - n), rng.randrange(num_blocks - n)
-            return list(range(a, a + n)), list(range(b, b + n))
+            remote, local = list(range(a, a + n)), list(range(b, b + n))
+            return (remote, local) if pattern == "consecutive" else (remote[::-1], local[::-1])
         return rng.sample(range(num_blocks), n), rng.sample(range(num_blocks), n)
 
     for n in sizes:
         reps = args.dp_reps if n * block_bytes > 16 * MiB else args.dp_reps * 2
-        for pattern in ("consecutive", "scattered"):
-            run_now = dict(methods, **(what_ifs if pattern == "scattered" else {}))
+        for pattern in ("consecutive", "descending", "scattered"):
+            run_now = dict(methods, **what_ifs.get(pattern, {}))
             order = list(run_now)
             times: dict[str, list[float]] = {m: [] for m in run_now}
             cpu: dict[str, list[float]] = {m: [0.0, 0.0] for m in run_now}  # parent, owner
@@ -387,9 +415,9 @@ def bench_dataplane(args, contention: procs.Contention) -> dict[str, Any]:
             case["tcp_over_raw_paired"] = median([b / a for a, b in zip(times["tcp"], times["raw"])])
             results["cases"].append(case)
 
-            for m in what_ifs:
-                if m in times:
-                    case[f"{m}_over_memcpy_paired"] = median([b / a for a, b in zip(times[m], times["memcpy"])])
+            for m in what_ifs.get(pattern, {}):
+                base = "raw" if m.startswith("tcp") else "memcpy"
+                case[f"{m}_over_{base}_paired"] = median([b / a for a, b in zip(times[m], times[base])])
 
     # Fixed cost: one block, many times.
     lat: dict[str, list[float]] = {m: [] for m in methods}
@@ -482,15 +510,25 @@ def print_dataplane(res: dict[str, Any]) -> None:
         parts = "  ".join(f"{m} {c[f'{m}_cpu_s_per_GB']['reader']:.2f}/{c[f'{m}_cpu_s_per_GB']['owner']:.2f}"
                           for m in ("memcpy", "shm", "raw", "tcp"))
         print(f"  {c['blocks']:>6} {c['pattern']:<11} {parts}")
+    desc = [c for c in res["cases"] if c["pattern"] == "descending" and "shm_sorted_GBps" in c]
+    if desc:
+        print("\n  what-if, descending ids (what the allocator hands out after a request is freed tail first): "
+              "read_blocks with the (remote, local) pairs sorted by remote id (GB/s median; x limit, paired)")
+        for c in desc:
+            print(f"  {c['blocks']:>6} blocks: shm {c['shm_GBps']:.2f} ({c['shm_over_memcpy_paired']:.2f}x memcpy) -> "
+                  f"sorted {c['shm_sorted_GBps']:.2f} ({c['shm_sorted_over_memcpy_paired']:.2f}x);  tcp "
+                  f"{c['tcp_GBps']:.2f} ({c['tcp_over_raw_paired']:.2f}x raw) -> sorted {c['tcp_sorted_GBps']:.2f} "
+                  f"({c['tcp_sorted_over_raw_paired']:.2f}x)")
     wi = [c for c in res["cases"] if c["pattern"] == "scattered" and "shm_index_GBps" in c]
     if wi:
         print("\n  what-if, shm with scattered ids (GB/s median; x memcpy, paired): "
               "index = local.index_copy_(remote.index_select) (two parallel passes); foreach = torch._foreach_copy_ "
-              "over the runs (one call); 2threads = the runs split over two Python threads")
+              "over the runs (one call);\n  2threads = the runs split over two Python threads; views = per-block views "
+              "made once + one _foreach_copy_; views_2t = that, halves on two threads")
         for c in wi:
-            print(f"  {c['blocks']:>6} blocks: shm {c['shm_GBps']:.2f} ({c['shm_over_memcpy_paired']:.2f}x)  " + "  ".join(
+            print(f"  {c['blocks']:>6} blocks: shm {c['shm_GBps']:.2f} ({c['shm_over_memcpy_paired']:.2f}x) " + " ".join(
                 f"{m[4:]} {c[f'{m}_GBps']:.2f} ({c[f'{m}_over_memcpy_paired']:.2f}x)"
-                for m in ("shm_index", "shm_foreach", "shm_2threads")))
+                for m in ("shm_index", "shm_foreach", "shm_2threads", "shm_views", "shm_views_2t")))
     ft = res.get("shm_first_touch")
     if ft:
         print(f"\n  shm first touch, {ft['blocks']} consecutive blocks ({ft['blocks'] * res['block_bytes'] / MiB:.1f} MiB)"
@@ -546,13 +584,19 @@ def stream_first(client, url: str, body: dict) -> tuple[float, dict]:
 
 
 class TtftBench:
+    """P, D (per data plane) and C instances, per variant: "base" (pdserve as it is) and, with --experiment, "exp"
+    (the same instances with what-if patches), all measured in the same interleaved reps."""
+
     def __init__(self, args, contention: procs.Contention, work: Path) -> None:
         self.args = args
         self.contention = contention
         self.work = work
         self.model_name = "h256"
-        self.procs: dict[str, Any] = {}
-        self.traces: dict[str, Path] = {}
+        self.variants: dict[str, list[str]] = {"base": []}
+        if args.experiment:
+            self.variants["exp"] = list(args.experiment)
+        self.procs: dict[tuple[str, str], Any] = {}  # (variant, instance name) -> process
+        self.traces: dict[tuple[str, str], Path] = {}
         self.marks: list[dict[str, Any]] = []  # client-side timestamps of measured requests (for --profile)
 
     def start(self) -> None:
@@ -566,25 +610,29 @@ class TtftBench:
         for plane in self.args.planes:
             specs += [(f"P_{plane}", ["--kv-transfer-config", kv_config("kv_producer", plane)]),
                       (f"D_{plane}", ["--kv-transfer-config", kv_config("kv_consumer", plane)])]
-        for name, extra in specs:
-            env = None
-            if self.args.profile or self.args.experiment:
-                trace = None
-                if self.args.profile:
-                    trace = self.traces[name] = self.work / f"trace-{name}.jsonl"
-                env = procs.child_env(self.work, trace, self.args.experiment)
-            proc = start_instance(model, *common, *extra, name=name, env=env, timeout=180)
-            self.procs[name] = proc
-            _CLEANUP.append(proc.stop)
-            self.contention.pids.append(proc.pid)
-        print("  instances: " + ", ".join(f"{n} pid {p.pid} :{p.port}" for n, p in self.procs.items()), flush=True)
+        for variant, experiments in self.variants.items():
+            for name, extra in specs:
+                env = None
+                if self.args.profile or experiments:
+                    trace = None
+                    if self.args.profile:
+                        trace = self.traces[(variant, name)] = self.work / f"trace-{variant}-{name}.jsonl"
+                    env = procs.child_env(self.work, trace, experiments)
+                proc = start_instance(model, *common, *extra, name=f"{variant}-{name}", env=env, timeout=180)
+                self.procs[(variant, name)] = proc
+                _CLEANUP.append(proc.stop)
+                self.contention.pids.append(proc.pid)
+        print("  instances: " + ", ".join(f"{v}/{n} pid {p.pid}" for (v, n), p in self.procs.items()), flush=True)
+        for variant, experiments in self.variants.items():
+            if experiments:
+                print(f"  variant {variant!r}: " + "; ".join(f"{e}: {procs.EXPERIMENTS[e]}" for e in experiments))
 
     def body(self, prompt: list[int]) -> dict:
         return {"model": self.model_name, "prompt": prompt, "max_tokens": self.args.max_tokens, "temperature": 0,
                 "ignore_eos": True, "logprobs": 0, "stream": True}
 
-    def colocated(self, client, prompt: list[int]) -> dict[str, Any]:
-        url = self.procs["C"].url
+    def colocated(self, client, variant: str, prompt: list[int]) -> dict[str, Any]:
+        url = self.procs[(variant, "C")].url
         before = metric_values(client, url)
         t0 = time.monotonic()
         t1, first = stream_first(client, url, self.body(prompt))
@@ -592,8 +640,8 @@ class TtftBench:
         server = _delta(after, before, "vllm:time_to_first_token_seconds_sum")
         return {"ttft": t1 - t0, "server_ttft": server, "text": first["choices"][0].get("text"), "t0": t0, "t1": t1}
 
-    def pd(self, client, plane: str, prompt: list[int]) -> dict[str, Any]:
-        p, d = self.procs[f"P_{plane}"], self.procs[f"D_{plane}"]
+    def pd(self, client, variant: str, plane: str, prompt: list[int]) -> dict[str, Any]:
+        p, d = self.procs[(variant, f"P_{plane}")], self.procs[(variant, f"D_{plane}")]
         before_d, before_p = metric_values(client, d.url), metric_values(client, p.url)
         pbody = {"model": self.model_name, "prompt": prompt, "max_tokens": 1, "temperature": 0,
                  "kv_transfer_params": {"do_remote_decode": True}}
@@ -622,6 +670,12 @@ class TtftBench:
             "text": first["choices"][0].get("text"), "t0": t0, "t1": t1, "t2": t2,
         }
 
+    def send(self, client, mode: tuple[str, str], prompt: list[int]) -> dict[str, Any]:
+        variant, what = mode
+        if what == "C":
+            return self.colocated(client, variant, prompt)
+        return self.pd(client, variant, what[3:], prompt)
+
     def run(self) -> dict[str, Any]:
         import httpx
 
@@ -631,9 +685,10 @@ class TtftBench:
         def prompt(n: int) -> list[int]:
             return [gen.randrange(100, 32000) for _ in range(n)]
 
-        modes = ["C"] + [f"PD_{p}" for p in args.planes]
-        samples: dict[tuple[str, int], list[dict[str, Any]]] = {(m, n): [] for m in modes + ["C_hit"]
-                                                                for n in args.lengths}
+        modes = [(v, m) for v in self.variants for m in ["C"] + [f"PD_{p}" for p in args.planes]]
+        samples: dict[tuple[str, str, int], list[dict[str, Any]]] = {
+            (v, m, n): [] for v in self.variants for m in ["C", "C_hit"] + [f"PD_{p}" for p in args.planes]
+            for n in args.lengths}
         mismatches = 0
         transport = httpx.HTTPTransport(
             socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)] if args.client_nodelay else None)
@@ -645,19 +700,17 @@ class TtftBench:
                 touch_len = min(2000, max(args.lengths))
                 for _ in range(-(-args.kv_blocks * BLOCK_SIZE // touch_len) + 1):
                     pr = prompt(touch_len)
-                    for m in modes:
-                        self.colocated(client, pr) if m == "C" else self.pd(client, m[3:], pr)
+                    for mode in modes:
+                        self.send(client, mode, pr)
                 print(f"  pools touched ({args.kv_blocks} blocks each): {time.monotonic() - t:.1f} s", flush=True)
                 t = time.monotonic()
             for _ in range(args.warmup):
                 for n in args.lengths:
-                    for m in modes:
+                    for mode in modes:
                         pr = prompt(n)
-                        if m == "C":
-                            self.colocated(client, pr)
-                            self.colocated(client, pr)
-                        else:
-                            self.pd(client, m[3:], pr)
+                        self.send(client, mode, pr)
+                        if mode[1] == "C":
+                            self.send(client, mode, pr)  # the prefix-hit path too
             print(f"  warm-up: {args.warmup} request(s) per mode and length, {time.monotonic() - t:.1f} s", flush=True)
             order_rng = random.Random(7)
             others = []
@@ -671,85 +724,89 @@ class TtftBench:
                     order = list(modes)
                     order_rng.shuffle(order)
                     texts = {}
-                    for m in order:
+                    for variant, what in order:
                         time.sleep(0.02)
-                        if m == "C":
-                            r = self.colocated(client, pr)
-                            samples[("C", n)].append(r)
-                            self.marks.append({"plane": "C", "len": n, "t0": r["t0"], "t1": r["t1"]})
+                        r = self.send(client, (variant, what), pr)
+                        samples[(variant, what, n)].append(r)
+                        self.marks.append({"variant": variant, "plane": "C" if what == "C" else what[3:], "len": n,
+                                           **{k: r[k] for k in ("t0", "t1", "t2") if k in r}})
+                        if what == "C":
                             time.sleep(0.02)
-                            samples[("C_hit", n)].append(self.colocated(client, pr))
-                        else:
-                            r = self.pd(client, m[3:], pr)
-                            r["plane"] = m[3:]
-                            samples[(m, n)].append(r)
-                            self.marks.append({"plane": m[3:], "len": n, **{k: r[k] for k in ("t0", "t1", "t2")}})
-                        texts[m] = r["text"]
+                            samples[(variant, "C_hit", n)].append(self.colocated(client, variant, pr))
+                        texts[(variant, what)] = r["text"]
                     if len(set(texts.values())) > 1:
                         mismatches += 1
                     others.append({"rep": rep, "len": n, "others": self.contention.since_mark()["others"],
                                    "waited_s": waited})
                 print(f"  rep {rep + 1}/{args.reps} done", flush=True)
-        return self.summarize(samples, modes, mismatches, others)
+        return self.summarize(samples, mismatches, others)
 
-    def summarize(self, samples, modes, mismatches, others) -> dict[str, Any]:
+    def summarize(self, samples, mismatches, others) -> dict[str, Any]:
         res: dict[str, Any] = {"lengths": self.args.lengths, "reps": self.args.reps, "planes": self.args.planes,
-                               "first_token_mismatches": mismatches, "contention": others, "rows": []}
-        for n in self.args.lengths:
-            # Prefer the reps no other process disturbed (others' cores measured over each (rep, length) block).
-            conts = [c["others"] for c in others if c["len"] == n]
-            quiet = [k for k, o in enumerate(conts) if o < QUIET_CORES]
-            keep = quiet if len(quiet) >= max(3, len(conts) // 3) else list(range(len(conts)))
-            pick = lambda xs: [xs[k] for k in keep if k < len(xs)]  # noqa: E731
-            c = [s["ttft"] for s in pick(samples[("C", n)])]
-            hit = [s["ttft"] for s in pick(samples[("C_hit", n)])]
-            c_server = [s["server_ttft"] for s in pick(samples[("C", n)])]
-            c_http = [s["ttft"] - s["server_ttft"] for s in pick(samples[("C", n)])]
-            # one reference prefill for the denoised ratio: every P's and C's own time to first token, pooled
-            prefill_ref = median(c_server + [x["p_server_ttft"] for p in self.args.planes
-                                             for x in pick(samples[(f"PD_{p}", n)])])
-            for plane in self.args.planes:
-                s = pick(samples[(f"PD_{plane}", n)])
-                c_srv = prefill_ref
-                row = {
-                    "plane": plane, "len": n, "reps": len(s), "quiet_reps_only": keep is quiet,
-                    # Prefill time swings with other processes' load; P's and C's prefills are the same work, so
-                    # replace both by the pooled median prefill and keep only each side's own overhead around it:
-                    "pd_over_colocated_denoised": (c_srv + median([x["ttft"] - x["p_server_ttft"] for x in s]))
-                                                  / (c_srv + median(c_http)),
-                    "colocated_ms": median(c) * 1e3, "colocated_server_ms": median(c_server) * 1e3,
-                    "colocated_hit_ms": median(hit) * 1e3,
-                    "pd_ms": median([x["ttft"] for x in s]) * 1e3,
-                    "p_leg_ms": median([x["p_leg"] for x in s]) * 1e3,
-                    "p_server_ms": median([x["p_server_ttft"] for x in s]) * 1e3,
-                    "d_leg_ms": median([x["d_leg"] for x in s]) * 1e3,
-                    "d_server_ms": median([x["d_server_ttft"] for x in s]) * 1e3,
-                    "d_xfer_ms": median([x["d_xfer"] for x in s]) * 1e3,
-                    "d_MiB": median([x["d_bytes"] for x in s]) / MiB,
-                    # paired ratios: the same rep's PD and C (same prompt, same moment)
-                    "pd_over_colocated_paired": median([x["ttft"] / y["ttft"] for x, y in zip(s, pick(samples[("C", n)]))]),
-                    "pd_all_ms": [x["ttft"] * 1e3 for x in s], "colocated_all_ms": [x * 1e3 for x in c],
-                }
-                row["pd_over_colocated"] = row["pd_ms"] / row["colocated_ms"]
-                res["rows"].append(row)
+                               "variants": self.variants, "first_token_mismatches": mismatches,
+                               "contention": others, "rows": []}
+        for variant in self.variants:
+            for n in self.args.lengths:
+                # Prefer the reps no other process disturbed (others' cores measured over each (rep, length)).
+                conts = [c["others"] for c in others if c["len"] == n]
+                quiet = [k for k, o in enumerate(conts) if o < QUIET_CORES]
+                keep = quiet if len(quiet) >= max(3, len(conts) // 3) else list(range(len(conts)))
+                pick = lambda xs: [xs[k] for k in keep if k < len(xs)]  # noqa: E731
+                cs = pick(samples[(variant, "C", n)])
+                c = [x["ttft"] for x in cs]
+                c_server = [x["server_ttft"] for x in cs]
+                c_http = [x["ttft"] - x["server_ttft"] for x in cs]
+                hit = [x["ttft"] for x in pick(samples[(variant, "C_hit", n)])]
+                # one reference prefill for the denoised ratio: every P's and C's own time to first token, pooled
+                prefill_ref = median(c_server + [x["p_server_ttft"] for p in self.args.planes
+                                                 for x in pick(samples[(variant, f"PD_{p}", n)])])
+                for plane in self.args.planes:
+                    s = pick(samples[(variant, f"PD_{plane}", n)])
+                    outside = median([x["ttft"] - x["p_server_ttft"] for x in s])
+                    row = {
+                        "variant": variant, "plane": plane, "len": n, "reps": len(s), "quiet_reps_only": keep is quiet,
+                        "colocated_ms": median(c) * 1e3, "colocated_server_ms": median(c_server) * 1e3,
+                        "colocated_hit_ms": median(hit) * 1e3,
+                        "pd_ms": median([x["ttft"] for x in s]) * 1e3,
+                        "p_leg_ms": median([x["p_leg"] for x in s]) * 1e3,
+                        "p_server_ms": median([x["p_server_ttft"] for x in s]) * 1e3,
+                        "d_leg_ms": median([x["d_leg"] for x in s]) * 1e3,
+                        "d_server_ms": median([x["d_server_ttft"] for x in s]) * 1e3,
+                        "d_xfer_ms": median([x["d_xfer"] for x in s]) * 1e3,
+                        "d_MiB": median([x["d_bytes"] for x in s]) / MiB,
+                        # paired: the same rep's PD and C (same prompt, same moment)
+                        "pd_over_colocated_paired": median([x["ttft"] / y["ttft"] for x, y in zip(s, cs)]),
+                        # Prefill time swings with other processes' load; P's and C's prefills are the same work,
+                        # so replace both by the pooled median and keep only each side's own time around it:
+                        "pd_over_colocated_denoised": (prefill_ref + outside) / (prefill_ref + median(c_http)),
+                        # time outside the prefill, within each request (insensitive to how long prefill took)
+                        "pd_minus_p_server_ms": outside * 1e3, "colocated_minus_server_ms": median(c_http) * 1e3,
+                        "prefill_ref_ms": prefill_ref * 1e3,
+                        "pd_all_ms": [x["ttft"] * 1e3 for x in s], "colocated_all_ms": [x * 1e3 for x in c],
+                    }
+                    row["pd_over_colocated"] = row["pd_ms"] / row["colocated_ms"]
+                    res["rows"].append(row)
         return res
 
     def profile(self) -> dict[str, Any]:
-        """Split every measured PD request into segments using the servers' traces and the client's stamps."""
+        """Split every measured request into segments using the servers' traces and the client's stamps."""
         out: dict[str, Any] = {}
-        traces = {name: procs.read_trace(path) for name, path in self.traces.items()}
-        for n in self.args.lengths:
-            rows = [seg for m in self.marks if m["plane"] == "C" and m["len"] == n
-                    if (seg := _c_segments(m, traces.get("C", []))) is not None]
-            if rows:
-                out[f"C/{n}"] = {k: median([r[k] for r in rows]) * 1e3 for k in rows[0]}
-        for plane in self.args.planes:
-            p_ev, d_ev = traces.get(f"P_{plane}", []), traces.get(f"D_{plane}", [])
+        traces = {key: procs.read_trace(path) for key, path in self.traces.items()}
+        for variant in self.variants:
             for n in self.args.lengths:
-                rows = [seg for m in self.marks if m["plane"] == plane and m["len"] == n
-                        if (seg := _segments(m, p_ev, d_ev)) is not None]
+                rows = [seg for m in self.marks if m["variant"] == variant and m["plane"] == "C" and m["len"] == n
+                        if (seg := _c_segments(m, traces.get((variant, "C"), []))) is not None]
                 if rows:
-                    out[f"{plane}/{n}"] = {k: median([r[k] for r in rows if k in r]) * 1e3 for k in rows[0]}
+                    out[f"{variant}:C/{n}"] = {k: median([r[k] for r in rows]) * 1e3 for k in rows[0]}
+            for plane in self.args.planes:
+                p_ev, d_ev = traces.get((variant, f"P_{plane}"), []), traces.get((variant, f"D_{plane}"), [])
+                for n in self.args.lengths:
+                    rows = [seg for m in self.marks
+                            if m["variant"] == variant and m["plane"] == plane and m["len"] == n
+                            if (seg := _segments(m, p_ev, d_ev)) is not None]
+                    if rows:
+                        out[f"{variant}:{plane}/{n}"] = {k: median([r[k] for r in rows if k in r]) * (
+                            1 if k.startswith("#") else 1e3) for k in rows[0]}
         return out
 
 
@@ -808,9 +865,12 @@ def _segments(mark: dict, p_ev: list[dict], d_ev: list[dict]) -> dict[str, float
         "D ReadGrant round trip": grant["dur"],
         "D grant -> read start": read["t"] - (grant["t"] + grant["dur"]),
         "D read_blocks": read["dur"],
+        "# D read: blocks": float(read.get("n", 0)),
+        "# D read: runs of consecutive ids (one copy / send each)": float(read.get("runs", 0)),
+        "# D read: runs if the pairs were sorted by remote id": float(read.get("runs_sorted", 0)),
         "D read end -> finish_load": finish["t"] - (read["t"] + read["dur"]),
         "D finish_load -> compute step start": d_step["t"] - finish["t"],
-        "D   (idle steps in between)": float(len(idle_between)) / 1e3,  # a count, shown x1000 -> as is
+        "# D idle steps between finish_load and the compute step": float(len(idle_between)),
         "D 1-token step (start -> output delivered)": d_deliver - d_step["t"],
         "D deliver -> client has token": t2 - d_deliver,
         "D handshake (peer(), incl. cached)": sum(e["dur"] for e in peer),
@@ -828,23 +888,29 @@ def _segments(mark: dict, p_ev: list[dict], d_ev: list[dict]) -> dict[str, float
 def print_ttft(res: dict[str, Any]) -> None:
     print(f"\n  TTFT, h256 llama, medians of {res['reps']} reps (ms). PD = send to P -> D's first streamed token; "
           f"colocated = send -> first streamed token")
-    print(f"  {'plane':<5} {'len':>5} {'coloc':>7} {'PD':>7} {'PD/coloc':>9} {'paired':>6} {'denoised':>8}  "
+    for variant, experiments in res["variants"].items():
+        if experiments:
+            print(f"  variant {variant!r} = every instance patched with: {', '.join(experiments)}")
+    print(f"  {'var':<4} {'plane':<5} {'len':>5} {'coloc':>7} {'PD':>7} {'PD/coloc':>9} {'paired':>6} {'denoised':>8}  "
           f"{'P leg':>7} {'D leg':>7} {'D xfer':>7} {'MiB':>5}  {'P srv':>7} {'D srv':>7} {'C srv':>7} {'C hit':>7} "
-          f"{'reps':>5}")
+          f"{'PD-Psrv':>8} {'C-Csrv':>7} {'reps':>5}")
     for r in res["rows"]:
         ok = ""
         if r["len"] == TARGET_PD_LEN:
             ok = "PASS" if r["pd_over_colocated"] <= TARGET_PD else "MISS"
-        print(f"  {r['plane']:<5} {r['len']:>5} {r['colocated_ms']:>7.1f} {r['pd_ms']:>7.1f} "
+        print(f"  {r['variant']:<4} {r['plane']:<5} {r['len']:>5} {r['colocated_ms']:>7.1f} {r['pd_ms']:>7.1f} "
               f"{r['pd_over_colocated']:>5.2f} {ok:<4}{r['pd_over_colocated_paired']:>6.2f} "
               f"{r['pd_over_colocated_denoised']:>8.2f}  {r['p_leg_ms']:>7.1f} "
               f"{r['d_leg_ms']:>7.1f} {r['d_xfer_ms']:>7.2f} {r['d_MiB']:>5.1f}  {r['p_server_ms']:>7.1f} "
               f"{r['d_server_ms']:>7.1f} {r['colocated_server_ms']:>7.1f} {r['colocated_hit_ms']:>7.1f} "
+              f"{r['pd_minus_p_server_ms']:>8.1f} {r['colocated_minus_server_ms']:>7.1f} "
               f"{r['reps']:>3}{'q' if r['quiet_reps_only'] else '!':>2}")
     print(f"  target: PD/colocated <= {TARGET_PD} at {TARGET_PD_LEN} tokens. P leg = client's P request; D leg = P's "
-          "answer -> D's first token; D xfer = D's pdserve:kv_transfer_load_seconds (grant + read);\n"
-          "  srv = the instance's own vllm:time_to_first_token_seconds (engine arrival -> first token, no HTTP); "
-          "C hit = the same prompt again on C (prefix hit: one-token step, no transfer)\n"
+          "answer -> D's first token;\n  D xfer = D's pdserve:kv_transfer_load_seconds (grant + read); "
+          "srv = the instance's own vllm:time_to_first_token_seconds (engine arrival -> first token, no HTTP);\n"
+          "  C hit = the same prompt again on C (prefix hit: one-token step, no transfer)\n"
+          "  PD-Psrv / C-Csrv = time outside the prefill (median over requests of client TTFT minus the instance's own"
+          " TTFT: HTTP, P's answer, the whole D leg)\n"
           "  paired = median of per-rep PD/C ratios; denoised = (F + median(PD - P srv)) / (F + median(C - C srv)), F = "
           "median of all P srv and C srv samples:\n  P's and C's prefills (the same work, which swings with other "
           "processes' load) replaced by one pooled median, so only each side's own overhead differs\n"
@@ -858,25 +924,21 @@ def print_profile(prof: dict[str, Any]) -> None:
     if not prof:
         print("\n  (profile: no complete traces)")
         return
-    c_cols = [c for c in prof if c.startswith("C/")]
+
+    def table(title: str, cols: list[str]) -> None:
+        print(f"\n  {title}")
+        print(f"  {'segment (ms; # = count)':<58}" + "".join(f"{c:>13}" for c in cols))
+        keys = list(dict.fromkeys(k for c in cols for k in prof[c]))
+        for k in keys:
+            spec = ".0f" if k.startswith("#") else ".2f"
+            print(f"  {k[:58]:<58}" + "".join(f"{format(prof[c].get(k, float('nan')), spec):>13}" for c in cols))
+
+    c_cols = [c for c in prof if ":C/" in c]
     if c_cols:
-        print("\n  colocated request time line (ms, medians; from the server trace + client stamps)")
-        print(f"  {'segment':<44}" + "".join(f"{c:>11}" for c in c_cols))
-        for k in prof[c_cols[0]]:
-            print(f"  {k:<44}" + "".join(f"{prof[c].get(k, float('nan')):>11.2f}" for c in c_cols))
-    prof = {k: v for k, v in prof.items() if not k.startswith("C/")}
-    if not prof:
-        return
-    keys = list(next(iter(prof.values())).keys())
-    cols = list(prof)
-    print("\n  PD request time line (ms, medians; from server traces + client stamps)")
-    print(f"  {'segment':<44}" + "".join(f"{c:>11}" for c in cols))
-    for k in keys:
-        if k.startswith("D   (idle"):
-            print(f"  {'D   idle steps in between (count)':<44}" + "".join(f"{prof[c].get(k, float('nan')):>11.0f}"
-                                                                            for c in cols))
-            continue
-        print(f"  {k:<44}" + "".join(f"{prof[c].get(k, float('nan')):>11.2f}" for c in cols))
+        table("colocated request time line (medians; server trace + client stamps)", c_cols)
+    pd_cols = [c for c in prof if ":C/" not in c]
+    if pd_cols:
+        table("PD request time line (medians; server traces + client stamps)", pd_cols)
 
 
 # ============================================================================= main
@@ -972,7 +1034,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n== Summary")
     for r in results.get("ttft", {}).get("rows", []):
         target = f" (<= {TARGET_PD})" if r["len"] == TARGET_PD_LEN else ""
-        print(f"  TTFT {r['plane']} {r['len']:>5} tokens: PD/colocated {r['pd_over_colocated']:.2f}{target} "
+        print(f"  TTFT {r['variant']} {r['plane']} {r['len']:>5} tokens: PD/colocated {r['pd_over_colocated']:.2f}{target} "
               f"(paired {r['pd_over_colocated_paired']:.2f}, denoised {r['pd_over_colocated_denoised']:.2f}), "
               f"PD {r['pd_ms']:.1f} ms vs {r['colocated_ms']:.1f} ms")
     print(f"  load {results['load_before']} -> {results['load_after']}")

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from pdserve.models.config import ModelConfigError, parse_dtype
+
+if TYPE_CHECKING:
+    import torch
 
 ROLES = ("both", "prefill", "decode", "encode")
 DEFAULT_KV_CACHE_GIB = 1.0
@@ -50,6 +51,8 @@ class EngineConfig:
         return self.served_model_name or str(self.model)
 
     def torch_dtype(self, config_dtype: torch.dtype | None) -> torch.dtype:
+        import torch
+
         if self.dtype != "auto":
             return parse_dtype(self.dtype)
         chosen = config_dtype or torch.float32

@@ -48,6 +48,15 @@ class Instance:
             return json_response({"engine_id": bundle.engine_id, "side_channel_host": bundle.agent.config.host,
                                   "side_channel_port": bundle.agent.port, "role": self.config.role})
 
+        @app.post("/v1/kv/faults")
+        async def faults(request: Request) -> Response:
+            """Switch fault injection at run time, for drills (only if the instance was started allowing it)."""
+            try:
+                body = msgspec.json.decode(await request.body())
+                return json_response(bundle.set_faults(body if isinstance(body, dict) else {}))
+            except (msgspec.DecodeError, ValueError, TypeError) as exc:
+                return json_response(error_body(400, str(exc)), 400)
+
         @app.post("/v1/kv/release")
         async def release(request: Request) -> Response:
             """Free KV held for a transfer now (a gateway's explicit message; never wait for the lease)."""

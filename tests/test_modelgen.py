@@ -268,3 +268,12 @@ def test_cli_rejects_bad_shard_count(tmp_path: Path) -> None:
     out_dir = tmp_path / "bad"
     assert cli_main(["make-model", "--arch", "llama", "--shards", "0", str(out_dir)]) != 0
     assert not out_dir.exists()
+
+
+def test_cli_choices_match_the_generator():
+    """The CLI lists names without importing torch; they must stay in step with what the generator builds."""
+    from pdserve.modelgen import cli, text_models
+
+    assert set(cli.ARCH_NAMES) == set(text_models.ARCHS)
+    assert set(cli.PRESET_NAMES) == set(text_models.PRESETS)
+    assert set(cli.DTYPE_NAMES) == set(text_models.DTYPES)

@@ -37,6 +37,7 @@ class EngineStats:
     prefix_queries: int
     prefix_hits: int
     num_preemptions: int
+    prompt_tokens_computed: int
 
 
 class LLMEngine:
@@ -137,7 +138,8 @@ class LLMEngine:
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             num_held=len(self.scheduler.held), blocks_used=self.kv.num_used_blocks, blocks_total=self.kv.num_blocks,
             kv_cache_usage=self.kv.usage, prefix_queries=self.kv.prefix_queries, prefix_hits=self.kv.prefix_hits,
-            num_preemptions=self.scheduler.num_preemptions)
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_computed=self.scheduler.num_prompt_tokens_computed)
 
 
 def max_sequence_length(config: EngineConfig, max_model_len: int, num_blocks: int) -> int:

@@ -74,7 +74,8 @@ class ModelRunner:
             sending, recving = connector.get_finished(plan.finished_req_ids)
             out.connector = KVConnectorOutput(
                 finished_sending=sending, finished_recving=recving, failed_recving=connector.get_failed_recving(),
-                invalid_block_ids=connector.get_block_ids_with_load_errors())
+                invalid_block_ids=connector.get_block_ids_with_load_errors(),
+                refused_recving=connector.get_refused_recving())
             connector.clear_connector_metadata()
         return out
 

@@ -26,6 +26,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
     error: str | None = None
+    error_status: int = 500
     arrival_time: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -133,6 +134,7 @@ class OutputProcessor:
             out.stop_reason = state.stop_hit if stop_hit and state is not None else request.stop_reason
             out.kv_transfer_params = request.returned_kv_transfer_params
             out.error = request.error
+            out.error_status = request.error_status
             out.metrics = _request_metrics(request)
             self.states.pop(request.request_id, None)
         return out

@@ -48,6 +48,7 @@ class KVConnectorOutput:
     failed_recving: set[ReqId] = field(default_factory=set)
     invalid_block_ids: set[int] = field(default_factory=set)
     invalid_mm_hashes: set[str] = field(default_factory=set)
+    refused_recving: dict[ReqId, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

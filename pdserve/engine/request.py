@@ -82,6 +82,7 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     error: str | None = None
+    error_status: int = 500  # the HTTP status an error maps to (400 when the request itself was at fault)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None

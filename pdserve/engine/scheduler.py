@@ -40,7 +40,8 @@ class Scheduler:
         self.finished_recving: set[ReqId] = set()
         self.failed_recving: set[ReqId] = set()
         self._finished_since_last_step: set[ReqId] = set()
-        self._ended: list[Request] = []  # ended by the scheduler itself; each still owes its client an output
+        self._ended: list[Request] = []
+        self.num_prompt_tokens_computed = 0  # prompt tokens this engine computed itself (not hit, not transferred)  # ended by the scheduler itself; each still owes its client an output
         self.num_preemptions = 0
 
     # -- queries ----------------------------------------------------------------------------------------
@@ -219,6 +220,8 @@ class Scheduler:
             if request is None or request.is_finished or item.request_id in rolled_back:
                 continue
             request.num_computed_tokens += len(item.token_ids)
+            self.num_prompt_tokens_computed += max(0, min(request.num_computed_tokens, request.num_prompt_tokens)
+                                                   - item.start_position)
             self.kv.cache_blocks(request, request.num_computed_tokens)
             if not item.sample:
                 continue
@@ -256,6 +259,10 @@ class Scheduler:
             return
         self.connector.update_connector_output(output)
         self.failed_recving |= output.failed_recving
+        for rid, message in output.refused_recving.items():
+            request = self.requests.get(rid)
+            if request is not None and not request.is_finished:
+                self._end(request, message, status=400)
         for rid in output.finished_recving:
             held = self.held.pop(rid, None)
             if held is not None:  # aborted while its load was in flight: the blocks are free to reuse now
@@ -329,9 +336,10 @@ class Scheduler:
         for rid, message in self.connector.take_request_errors().items():
             request = self.requests.get(rid)
             if request is not None and not request.is_finished:
-                self._end(request, message)
+                self._end(request, message, status=400)
 
-    def _end(self, request: Request, error: str) -> None:
+    def _end(self, request: Request, error: str, status: int = 500) -> None:
+        request.error_status = status
         self._finish(request, RequestStatus.FINISHED_ERROR, error=error)
         self._ended.append(request)
 

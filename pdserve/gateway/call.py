@@ -210,7 +210,7 @@ class Call:
         retryable = status >= 500
         reason = f"status_{status}"
         return LegError(leg, reason, f"{leg} instance {instance.url} answered {status}", status=status,
-                        body=raw if status < 500 else None, retryable=retryable, instance=instance)
+                        body=raw, retryable=retryable, instance=instance)
 
     # -- writing to the client ------------------------------------------------------------------------------
     async def start_response(self, status: int, content_type: bytes) -> None:

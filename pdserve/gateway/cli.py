@@ -18,7 +18,7 @@ from pdserve.gateway.call import Deadlines
 from pdserve.gateway.forwarders import FORWARDERS
 from pdserve.gateway.policies import POLICIES
 from pdserve.gateway.service import Gateway, GatewayConfig
-from pdserve.server.launch import KEEP_ALIVE_S, announce_ready, bind_socket
+from pdserve.server.launch import KEEP_ALIVE_S, announce_ready, bind_socket, freeze_startup_objects
 
 _DEADLINE_FLAGS = {"connect_timeout": "connect_s", "prefill_timeout": "prefill_s",
                    "first_token_timeout": "first_token_s", "idle_timeout": "idle_s"}
@@ -93,6 +93,7 @@ async def _serve(gateway: Gateway, sock: Any, log_level: str) -> None:
     from pdserve.gateway.app import build_app
 
     await gateway.start()
+    freeze_startup_objects()
     server = uvicorn.Server(uvicorn.Config(build_app(gateway), log_level=log_level.lower(), access_log=False,
                                            lifespan="off", timeout_keep_alive=KEEP_ALIVE_S, http="httptools"))
 

@@ -58,8 +58,23 @@ class GatewayMetrics:
                                  ["decision", "reason"], registry=r)
         r.register(_InstanceCollector(registry, lambda: protocol))
 
+        self._children: dict[tuple, object] = {}  # labelled series, looked up once (labels() is not free)
+
+    def child(self, metric, *labels: str):
+        key = (id(metric), labels)
+        series = self._children.get(key)
+        if series is None:
+            series = self._children[key] = metric.labels(*labels)
+        return series
+
     def decision(self, decision: str, reason: str) -> None:
-        self.decisions.labels(decision, reason).inc()
+        self.child(self.decisions, decision, reason).inc()
+
+    def request_done(self, outcome: str, e2e_s: float, timings: dict[str, float]) -> None:
+        self.child(self.requests, self.protocol, outcome).inc()
+        self.child(self.leg_seconds, "e2e").observe(e2e_s)
+        for leg, seconds in timings.items():
+            self.child(self.leg_seconds, leg).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.prom)

@@ -122,10 +122,7 @@ class Gateway:
             raise
         finally:
             call.end_attempt()
-            self.metrics.requests.labels(self.config.protocol, outcome).inc()
-            self.metrics.leg_seconds.labels("e2e").observe(time.monotonic() - call.started)
-            for leg, seconds in call.timings.items():
-                self.metrics.leg_seconds.labels(leg).observe(seconds)
+            self.metrics.request_done(outcome, time.monotonic() - call.started, call.timings)
 
     async def _attempts(self, call: Call) -> str:
         for attempt in range(self.config.retries + 1):

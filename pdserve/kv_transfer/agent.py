@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,8 +26,9 @@ from pdserve.ids import ReqId
 from pdserve.kv_transfer.data_plane import DataPlane, DataPlaneError, PeerChannel
 from pdserve.kv_transfer.data_plane.shm import host_identity
 from pdserve.kv_transfer.faults import FaultConfig, FaultInjector, InjectedFault
+from pdserve.kv_transfer.integrity import block_checksums, invalid_blocks
 from pdserve.kv_transfer.messages import (Ack, Handshake, HandshakeReply, Heartbeat, Message, PushRegister, ReadDone,
-                                          ReadGrant, Release, WriteDone)
+                                          ReadGrant, ReadGrantReply, Release, WriteDone)
 from pdserve.kv_transfer.side_channel import SideChannelClient, SideChannelError, SideChannelServer
 
 log = logging.getLogger(__name__)
@@ -34,6 +36,9 @@ log = logging.getLogger(__name__)
 # How long a read-done that beat its hold registration is remembered.
 _EARLY_NOTICE_TTL_S = 60.0
 
+
+# How many ended holds are remembered, to tell a late reader "expired" rather than "never granted".
+_ENDED_MEMORY = 65536
 
 # After giving up on a push, how long to wait for the producer's last word before reusing the blocks.
 _PUSH_GIVE_UP_GRACE_S = 2.0
@@ -73,6 +78,14 @@ class LoadResult:
     error: str = ""
     nbytes: int = 0
     seconds: float = 0.0
+    invalid_blocks: list[int] = field(default_factory=list)  # local blocks that arrived damaged
+    fatal: bool = False  # refused as never granted: the request must fail whatever the policy
+
+
+class TransferRefused(DataPlaneError):
+    def __init__(self, message: str, refusal: str) -> None:
+        super().__init__(message)
+        self.refusal = refusal
 
 
 @dataclass(slots=True)
@@ -82,7 +95,7 @@ class PushExpectation:
     request_id: ReqId
     transfer_id: str
     token: str
-    block_ids: frozenset[int]
+    block_ids: tuple[int, ...]
     host: str
     port: int
     deadline: float
@@ -109,6 +122,8 @@ class AgentStats:
     read_done_received: int = 0
     load_seconds_total: float = 0.0
     handshake_refusals: int = 0
+    reads_denied: int = 0
+    blocks_invalid: int = 0
     push_writes: int = 0
     push_bytes_sent: int = 0
     push_done_ok: int = 0
@@ -144,8 +159,9 @@ class TransferAgent:
         self._released: set[str] = set()
         self._early_notices: dict[str, float] = {}
         self._transfers: dict[str, str] = {}  # transfer_id -> key, for holds made on a gateway's behalf
+        self._ended: OrderedDict[str, None] = OrderedDict()  # recently ended holds: "expired", not "never granted"
         self._registrations: list[PushRegister] = []  # producer: arrived, not yet taken by the worker
-        self._push_releases: set[str] = set()  # producer: transfers the consumer gave up on
+        self._push_releases: dict[str, str] = {}  # producer: transfer_id -> token, transfers the consumer gave up on
         self._expected: dict[str, PushExpectation] = {}  # consumer: transfer_id -> expectation
         # One writer thread: a transfer's writes land in the order they were issued (catch-up before layers).
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdserve-push-writer")
@@ -250,6 +266,14 @@ class TransferAgent:
         """Consumer: tell the producer to free a transfer's blocks now (fire and forget, with a deadline)."""
         self._call(self._release(host, port, key, token, reason))
 
+    def set_faults(self, config: FaultConfig) -> None:
+        """Replace the fault injector (a drill switch). Readers take the reference once, so this is atomic."""
+        self.faults = FaultInjector(config)
+        if self._server is not None:
+            self._server.sender.faults = self.faults
+        for client in list(self._clients.values()):
+            client.sender.faults = self.faults
+
     def num_leases(self) -> int:
         with self._lock:
             return len(self._leases)
@@ -264,9 +288,9 @@ class TransferAgent:
         with self._lock:
             return bool(self._registrations or self._push_releases)
 
-    def take_push_releases(self) -> set[str]:
+    def take_push_releases(self) -> dict[str, str]:
         with self._lock:
-            out, self._push_releases = self._push_releases, set()
+            out, self._push_releases = self._push_releases, {}
         return out
 
     def write_blocks(self, registration: PushRegister, local_ids: list[int], remote_ids: list[int],
@@ -278,13 +302,24 @@ class TransferAgent:
         peer = asyncio.run_coroutine_threadsafe(
             self.peer(registration.consumer_host, registration.consumer_port, registration.consumer_engine_id),
             self._loop).result(self.config.handshake_timeout_s + 1)
+        lost = self.faults.lost_blocks(local_ids) if self.faults.enabled else set()
+        pairs = [(s, d) for s, d in zip(local_ids, remote_ids, strict=True) if s not in lost]
+        if not pairs:
+            return
+        local_ids, remote_ids = [s for s, _ in pairs], [d for _, d in pairs]
         self.stats.push_bytes_sent += peer.channel.write_blocks(registration.transfer_id, registration.token,
                                                                 local_ids, remote_ids, layer)
         self.stats.push_writes += 1
 
-    def send_write_done(self, registration: PushRegister, ok: bool, error: str = "") -> None:
-        """Tell the consumer its blocks are complete (or will not be). Called after the writes, in order."""
-        message = WriteDone(transfer_id=registration.transfer_id, token=registration.token, ok=ok, error=error)
+    def send_write_done(self, registration: PushRegister, ok: bool, error: str = "",
+                        source_blocks: list[int] | None = None, refusal: str = "") -> None:
+        """Tell the consumer its blocks are complete (or will not be). Called after the writes, in order.
+
+        With `source_blocks` (ours, in registration order), the message carries their checksums.
+        """
+        checksums = block_checksums(self.pool, source_blocks) if ok and source_blocks else []
+        message = WriteDone(transfer_id=registration.transfer_id, token=registration.token, ok=ok, error=error,
+                            checksums=checksums, refusal=refusal)
         self._call(self._notify(registration.consumer_host, registration.consumer_port, message))
 
     async def _notify(self, host: str, port: int, message: Message) -> None:
@@ -334,23 +369,30 @@ class TransferAgent:
                                  "prefill leg failed"))
         return True
 
-    def _push_done(self, message: WriteDone) -> Ack:
+    async def _push_done(self, message: WriteDone) -> Ack:
         with self._lock:
             expectation = self._expected.get(message.transfer_id)
         if expectation is None:
             return Ack(ok=False, error=f"no registration for transfer {message.transfer_id!r}")
         if message.token != expectation.token:
             return Ack(ok=False, error=f"wrong transfer token for {message.transfer_id!r}")
-        self._complete_push(message.transfer_id, message.ok, message.error)
+        invalid: list[int] = []
+        if message.ok:
+            invalid = await asyncio.get_running_loop().run_in_executor(
+                self._executor, invalid_blocks, self.pool, list(expectation.block_ids), message.checksums)
+            self.stats.blocks_invalid += len(invalid)
+        self._complete_push(message.transfer_id, message.ok, message.error, invalid, fatal=message.refusal == "denied")
         return Ack(ok=True)
 
-    def _complete_push(self, transfer_id: str, ok: bool, error: str = "") -> None:
+    def _complete_push(self, transfer_id: str, ok: bool, error: str = "", invalid: list[int] | None = None,
+                       fatal: bool = False) -> None:
         with self._lock:
             expectation = self._expected.pop(transfer_id, None)
             if expectation is None:
                 return
             ok = ok and not expectation.cancelled
-            self._completed.append(LoadResult(expectation.request_id, ok=ok, error=error))
+            self._completed.append(LoadResult(expectation.request_id, ok=ok, error=error, fatal=fatal and not ok,
+                                              invalid_blocks=list(invalid or ()) if ok else []))
         if ok:
             self.stats.push_done_ok += 1
         else:
@@ -419,9 +461,7 @@ class TransferAgent:
         if isinstance(message, Handshake):
             return self._handshake(message)
         if isinstance(message, ReadGrant):
-            await self._await_hold(message.key)
-            refusal = self._authorize("read", message.key, message.token, message.block_ids)
-            return Ack(ok=refusal is None, error=refusal or "")
+            return await self._grant(message)
         if isinstance(message, ReadDone):
             self.stats.read_done_received += 1
             return self._end_lease(message.key, message.token)
@@ -430,7 +470,7 @@ class TransferAgent:
             with self._lock:
                 is_hold = message.key in self._leases
                 if not is_hold:
-                    self._push_releases.add(message.key)  # maybe a push transfer: the worker checks
+                    self._push_releases[message.key] = message.token  # maybe a push transfer: the worker checks
             self.on_event()
             return self._end_lease(message.key, message.token) if is_hold else Ack(ok=True)
         if isinstance(message, PushRegister):
@@ -439,7 +479,7 @@ class TransferAgent:
             self.on_event()
             return Ack(ok=True)
         if isinstance(message, WriteDone):
-            return self._push_done(message)
+            return await self._push_done(message)
         if isinstance(message, Heartbeat):
             return self._renew(message.keys)
         return await self.handle_extra(message)
@@ -474,6 +514,24 @@ class TransferAgent:
             lease.expires_at = max(lease.expires_at, time.monotonic() + self.config.lease_s)
         return None
 
+    async def _grant(self, message: ReadGrant) -> ReadGrantReply:
+        await self._await_hold(message.key)
+        refusal = self._authorize("read", message.key, message.token, message.block_ids)
+        if refusal is not None:
+            with self._lock:
+                expired = message.key in self._ended
+            if not expired:
+                self.stats.reads_denied += 1
+            return ReadGrantReply(ok=False, error=refusal, refusal="expired" if expired else "denied")
+        checksums = await asyncio.get_running_loop().run_in_executor(
+            self._executor, block_checksums, self.pool, list(message.block_ids))
+        return ReadGrantReply(ok=True, checksums=checksums)
+
+    @property
+    def pool(self):
+        """The local KV pool (every data plane serves the same one)."""
+        return next(iter(self.config.planes.values())).kv
+
     async def _await_hold(self, key: str) -> None:
         """P answers its client a moment before its engine thread registers the hold; a fast consumer may
         ask in between, so give the hold a short, bounded time to appear."""
@@ -492,7 +550,7 @@ class TransferAgent:
                 return f"no registration for transfer {key!r}"
             if token != expectation.token:
                 return f"wrong transfer token for {key!r}"
-            if not set(block_ids) <= expectation.block_ids:
+            if not set(block_ids) <= set(expectation.block_ids):
                 return f"blocks outside the registration of {key!r}"
         return None
 
@@ -502,7 +560,7 @@ class TransferAgent:
             if lease is None:
                 self._early_notices[key] = time.monotonic()
                 return Ack(ok=True)
-            if token and token != lease.token:
+            if token != lease.token:
                 return Ack(ok=False, error=f"wrong transfer token for {key!r}")
             self._drop_lease(key)
         self.on_event()
@@ -510,6 +568,9 @@ class TransferAgent:
 
     def _drop_lease(self, key: str) -> None:
         """Callers hold the lock."""
+        self._ended[key] = None
+        while len(self._ended) > _ENDED_MEMORY:
+            self._ended.popitem(last=False)
         lease = self._leases.pop(key)
         if lease.transfer_id is not None:
             self._transfers.pop(lease.transfer_id, None)
@@ -559,8 +620,8 @@ class TransferAgent:
                 peer = await self._handshake_with(host, port)
                 self._peers[address] = peer
             if expected_engine_id not in (None, peer.engine_id):
-                raise DataPlaneError(f"the instance at {host}:{port} is engine {peer.engine_id}, not "
-                                     f"{expected_engine_id} named by the transfer parameters (it restarted?)")
+                raise TransferRefused(f"the instance at {host}:{port} is engine {peer.engine_id}, not "
+                                      f"{expected_engine_id} named by the transfer parameters", "denied")
             return peer
 
     def client(self, host: str, port: int) -> SideChannelClient:
@@ -609,12 +670,13 @@ class TransferAgent:
     async def _load(self, job: LoadJob) -> None:
         started = time.monotonic()
         try:
-            nbytes = await asyncio.wait_for(self._read(job), job.deadline_s)
+            nbytes, invalid = await asyncio.wait_for(self._read(job), job.deadline_s)
         except (DataPlaneError, SideChannelError, OSError, TimeoutError, ConnectionError, InjectedFault) as exc:
             error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             log.warning("KV load for %s from %s:%d failed: %s", job.request_id, job.host, job.port, error)
             self.stats.loads_failed += 1
-            self._finish_load(job, LoadResult(job.request_id, ok=False, error=error))
+            fatal = isinstance(exc, TransferRefused) and exc.refusal == "denied"
+            self._finish_load(job, LoadResult(job.request_id, ok=False, error=error, fatal=fatal))
             if isinstance(exc, (SideChannelError, ConnectionError, OSError)):
                 self._drop_peer((job.host, job.port))
             await self._release(job.host, job.port, job.key, job.token, "load failed")
@@ -623,8 +685,13 @@ class TransferAgent:
         self.stats.loads_ok += 1
         self.stats.bytes_received += nbytes
         self.stats.load_seconds_total += seconds
+        self.stats.blocks_invalid += len(invalid)
+        if invalid:
+            log.warning("KV load for %s: %d of %d blocks failed their checksum", job.request_id, len(invalid),
+                        len(job.local_block_ids))
         # The bytes are in place: let the request run now, and tell P afterwards.
-        self._finish_load(job, LoadResult(job.request_id, ok=True, nbytes=nbytes, seconds=seconds))
+        self._finish_load(job, LoadResult(job.request_id, ok=True, nbytes=nbytes, seconds=seconds,
+                                          invalid_blocks=invalid))
         try:
             done = await self.client(job.host, job.port).request(ReadDone(key=job.key, token=job.token),
                                                                  self.config.message_timeout_s)
@@ -639,18 +706,26 @@ class TransferAgent:
             self._completed.append(result)
         self.on_event()
 
-    async def _read(self, job: LoadJob) -> int:
+    async def _read(self, job: LoadJob) -> tuple[int, list[int]]:
+        """Copy the granted blocks; returns (bytes, local blocks whose checksum did not match)."""
         peer = await self.peer(job.host, job.port, job.engine_id)
         grant = await self.client(job.host, job.port).request(
             ReadGrant(key=job.key, token=job.token, block_ids=list(job.remote_block_ids)), self.config.message_timeout_s)
-        if not isinstance(grant, Ack) or not grant.ok:
-            raise DataPlaneError(getattr(grant, "error", "") or "the producer refused the read")
+        if not isinstance(grant, ReadGrantReply):
+            raise DataPlaneError(getattr(grant, "error", "") or "unexpected answer to a read grant")
+        if not grant.ok:
+            raise TransferRefused(grant.error or "the producer refused the read", grant.refusal or "denied")
         stall = self.faults.before_transfer("read")
         if stall:
             await asyncio.sleep(stall)
-        return await asyncio.get_running_loop().run_in_executor(
-            self._executor, peer.channel.read_blocks, job.key, job.token, list(job.remote_block_ids),
-            list(job.local_block_ids))
+        loop = asyncio.get_running_loop()
+        local = list(job.local_block_ids)
+        nbytes = await loop.run_in_executor(self._executor, peer.channel.read_blocks, job.key, job.token,
+                                            list(job.remote_block_ids), local)
+        if self.faults.enabled:
+            self.faults.damage(self.pool, local, self.faults.lost_blocks(local))
+        invalid = await loop.run_in_executor(self._executor, invalid_blocks, self.pool, local, grant.checksums)
+        return nbytes, invalid
 
     async def _release(self, host: str, port: int, key: str, token: str, reason: str) -> None:
         try:

@@ -99,5 +99,9 @@ class KVConnectorWorker(ABC):
     def get_failed_recving(self) -> set[ReqId]:
         return set()
 
+    def get_refused_recving(self) -> dict[ReqId, str]:
+        """Loads the producer refused as never granted: those requests must fail, whatever the policy."""
+        return {}
+
     def shutdown(self) -> None:
         pass

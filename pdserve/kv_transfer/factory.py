@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 
 from pdserve.config import EngineConfig
@@ -22,7 +23,7 @@ from pdserve.ids import new_engine_id
 from pdserve.kv_transfer.agent import AgentConfig, TransferAgent
 from pdserve.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker
 from pdserve.kv_transfer.data_plane import DataPlane, make_data_plane
-from pdserve.kv_transfer.faults import resolve_fault_config
+from pdserve.kv_transfer.faults import FaultConfig, resolve_fault_config
 from pdserve.kv_transfer.messages import PROTOCOL_VERSION
 from pdserve.kv_transfer.decode_first import DecodeFirstClient
 from pdserve.kv_transfer.params import DecodeFirst, KVParamsError, RemotePrefill, parse_kv_params
@@ -50,6 +51,7 @@ class ConnectorBundle:
     max_blocks: int
     pool_owner: str
     decode_first: DecodeFirstClient = field(default_factory=DecodeFirstClient)
+    fault_api: bool = False  # whether POST /v1/kv/faults may switch fault injection at run time
 
     def kv_allocator(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         kv = self.planes[self.pool_owner].allocate(shape, dtype)
@@ -98,6 +100,12 @@ class ConnectorBundle:
         return self.agent.release_local(key if isinstance(key, str) else None, str(params.get("transfer_token") or ""),
                                         transfer_id if isinstance(transfer_id, str) else None)
 
+    def set_faults(self, raw: dict[str, Any]) -> dict[str, Any]:
+        if not self.fault_api:
+            raise KVParamsRejected("fault injection at run time is off (kv_connector_extra_config.fault_injection_api)")
+        self.agent.set_faults(FaultConfig.from_dict(raw))
+        return {"faults": msgspec.to_builtins(self.agent.faults.config), "injected": self.agent.faults.injected}
+
     def reject(self, params: dict[str, Any] | None, reason: str) -> None:
         """A request with remote KV was refused before admission: tell P to free its blocks now."""
         try:
@@ -119,6 +127,8 @@ class ConnectorBundle:
             "counter pdserve:kv_releases_received": s.releases_received,
             "counter pdserve:kv_read_done_received": s.read_done_received,
             "counter pdserve:kv_handshake_refusals": s.handshake_refusals,
+            "counter pdserve:kv_reads_denied": s.reads_denied,
+            "counter pdserve:kv_blocks_invalid": s.blocks_invalid,
             "gauge pdserve:kv_leases_held": self.agent.num_leases(),
             "gauge pdserve:kv_transfer_map_size": len(self.worker.translator),
             "gauge pdserve:kv_push_expected": self.agent.num_expected(),
@@ -182,6 +192,8 @@ def build_pd_connector(config: EngineConfig) -> ConnectorBundle:
         port=int(extra.get("side_channel_port", kv_cfg.get("kv_port", 0))),
         lease_s=float(extra.get("kv_lease_duration", 30.0)),
         load_timeout_s=float(extra.get("kv_load_timeout", 60.0)),
+        message_timeout_s=float(extra.get("message_timeout", 10.0)),
+        handshake_timeout_s=float(extra.get("handshake_timeout", 5.0)),
         push_timeout_s=float(extra.get("push_registration_timeout", 60.0)),
         capture_path=extra.get("capture_messages") or os.environ.get("PDSERVE_CAPTURE_MESSAGES"),
         preferred_plane=preferred, planes=planes, faults=resolve_fault_config(extra)))
@@ -191,7 +203,8 @@ def build_pd_connector(config: EngineConfig) -> ConnectorBundle:
     worker = PdConnectorWorker(agent, config.block_size, push_timeout_s=agent.config.push_timeout_s,
                                unregistered_timeout_s=agent.config.lease_s)
     return ConnectorBundle(scheduler=scheduler, worker=worker, agent=agent, planes=planes,
-                           engine_id=engine_id, max_blocks=max_blocks, pool_owner=plane_names[0])
+                           engine_id=engine_id, max_blocks=max_blocks, pool_owner=plane_names[0],
+                           fault_api=bool(extra.get("fault_injection_api", os.environ.get("PDSERVE_FAULTS_API"))))
 
 
 KV_CONNECTORS: dict[str, Builder] = {"PdConnector": build_pd_connector}

@@ -38,6 +38,7 @@ class FaultConfig:
     read_delay_s: float = 0.0
     write_delay_s: float = 0.0
     block_corrupt: float = 0.0
+    block_fail: float = 0.0  # each block of a read or write is lost (left stale) with this probability
     step_delay_s: float = 0.0  # a slow instance: every engine step takes this much longer
 
     @classmethod
@@ -124,6 +125,19 @@ class FaultInjector:
 
     def should_corrupt_blocks(self) -> bool:
         return self._roll(self.config.block_corrupt, "block_corrupt")
+
+    def lost_blocks(self, block_ids: list[int]) -> set[int]:
+        """Blocks of a transfer that the injector says never arrived."""
+        return {b for b in block_ids if self._roll(self.config.block_fail, "block_fail")}
+
+    def damage(self, kv, block_ids: list[int], lost: set[int]) -> None:
+        """Apply injected transit damage to received blocks: lost ones zeroed, maybe one corrupted."""
+        for b in lost:
+            kv[b].zero_()
+        if block_ids and self.should_corrupt_blocks():
+            victim = block_ids[len(block_ids) // 2]
+            flat = kv[victim].view(-1)
+            flat[: max(1, flat.numel() // 64)] += 1.0
 
 
 NO_FAULTS = FaultConfig()

@@ -40,6 +40,15 @@ class ReadGrant(Message, tag="read_grant"):
     block_ids: list[int]
 
 
+class ReadGrantReply(Message, tag="read_grant_reply"):
+    ok: bool
+    error: str = ""
+    # Why a read was refused: "expired" (a lease ran out: the consumer may recompute) or "denied" (the
+    # parameters name KV this consumer was never granted: the request must fail).
+    refusal: str = ""
+    checksums: list[int] = []  # xxh3-64 of each granted block, in the order asked
+
+
 class ReadDone(Message, tag="read_done"):
     key: str
     token: str
@@ -81,6 +90,8 @@ class WriteDone(Message, tag="write_done"):
     token: str
     ok: bool = True
     error: str = ""
+    checksums: list[int] = []  # of the producer's blocks, in registration order, once all writes landed
+    refusal: str = ""  # "denied": the producer never had this transfer (forged or stale parameters)
 
 
 class PrefillRequest(Message, tag="prefill_request"):
@@ -97,8 +108,8 @@ class PrefillReply(Message, tag="prefill_reply"):
     error: str = ""
 
 
-AnyMessage = (Handshake | HandshakeReply | ReadGrant | ReadDone | Release | Heartbeat | Ack | PushRegister | WriteDone
-              | PrefillRequest | PrefillReply)
+AnyMessage = (Handshake | HandshakeReply | ReadGrant | ReadGrantReply | ReadDone | Release | Heartbeat | Ack
+              | PushRegister | WriteDone | PrefillRequest | PrefillReply)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyMessage)

@@ -255,6 +255,8 @@ class PdConnectorWorker(KVConnectorWorker):
         self.push: PushProducer | None = None
         self._meta: PdConnectorMetadata | None = None
         self._failed: set[ReqId] = set()
+        self._invalid: set[int] = set()
+        self._refused: dict[ReqId, str] = {}
 
     def register_kv_caches(self, kv_cache: Any) -> None:
         num_layers = kv_cache.shape[1]
@@ -295,7 +297,7 @@ class PdConnectorWorker(KVConnectorWorker):
 
     def _register_push(self, r: PushRegistration) -> None:
         self.translator.add(r.transfer_id, r.request_id)
-        expectation = PushExpectation(r.request_id, r.transfer_id, r.token, frozenset(r.block_ids), r.host, r.port,
+        expectation = PushExpectation(r.request_id, r.transfer_id, r.token, tuple(r.block_ids), r.host, r.port,
                                       time.monotonic() + self.push_timeout_s)
         register = PushRegister(transfer_id=r.transfer_id, block_ids=list(r.block_ids), first_block=r.first_block,
                                 num_tokens=r.num_tokens, consumer_engine_id=self.agent.config.engine_id,
@@ -321,10 +323,21 @@ class PdConnectorWorker(KVConnectorWorker):
         for result in self.agent.take_completed():
             recving.add(result.request_id)
             self.translator.remove_request(result.request_id)
-            if not result.ok:
+            self._invalid.update(result.invalid_blocks)
+            if result.fatal:
+                self._refused[result.request_id] = f"KV transfer refused by the prefill instance: {result.error}"
+            elif not result.ok:
                 self._failed.add(result.request_id)
         return sending, recving
 
     def get_failed_recving(self) -> set[ReqId]:
         failed, self._failed = self._failed, set()
         return failed
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        invalid, self._invalid = self._invalid, set()
+        return invalid
+
+    def get_refused_recving(self) -> dict[ReqId, str]:
+        refused, self._refused = self._refused, {}
+        return refused

@@ -122,18 +122,21 @@ class PushProducer:
                 self._orphans[registration.transfer_id] = (registration, time.monotonic())
             else:
                 self._attach(source, registration)
-        for transfer_id in self.agent.take_push_releases():
-            self._release(transfer_id)
+        for transfer_id, token in self.agent.take_push_releases().items():
+            self._release(transfer_id, token)
         self._expire_orphans()
 
-    def _release(self, transfer_id: str) -> None:
+    def _release(self, transfer_id: str, token: str) -> None:
         """D gave up: stop writing and answer at once, so D can reuse its blocks without waiting."""
-        orphan = self._orphans.pop(transfer_id, None)
-        if orphan is not None:
+        orphan = self._orphans.get(transfer_id)
+        if orphan is not None and orphan[0].token == token:
+            del self._orphans[transfer_id]
             self.agent.send_write_done(orphan[0], ok=False, error="released by the consumer")
         source = self.sources.get(TransferId(transfer_id))
         if source is None:
             return
+        if source.registration is not None and source.registration.token != token:
+            return  # only the consumer that registered may call its transfer off
         source.released = True
         if source.registration is not None and not source.done_submitted:
             self._submit_done(source, ok=False, error="released by the consumer")
@@ -214,7 +217,9 @@ class PushProducer:
         registration = source.registration
         if registration is not None:
             ok = ok and not source.failed and not source.released
-            self.agent.send_write_done(registration, ok, error or source.failed)
+            first = registration.first_block
+            ours = list(source.block_ids[first:first + len(registration.block_ids)])
+            self.agent.send_write_done(registration, ok, error or source.failed, source_blocks=ours)
         source.done = True
         self.agent.on_event()
 
@@ -223,7 +228,8 @@ class PushProducer:
         for transfer_id, (registration, arrived) in list(self._orphans.items()):
             if now - arrived > self.unregistered_timeout_s:
                 del self._orphans[transfer_id]
-                self.agent.send_write_done(registration, ok=False, error="this instance has no such transfer")
+                self.agent.send_write_done(registration, ok=False, error="this instance has no such transfer",
+                                           refusal="denied")
 
     def has_pending_work(self) -> bool:
         return bool(self._orphans or self.sources)

@@ -11,7 +11,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .text_models import ARCHS, DTYPES, PRESETS, make_text_model
+# Names only: building the parser must not import torch (the gateway shares this CLI and stays torch-free).
+# tests/test_modelgen.py checks these against text_models.
+ARCH_NAMES = ("llama", "mistral", "qwen2", "qwen3")
+PRESET_NAMES = ("tiny", "h256", "llama120m")
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
 def parse_rope_scaling(text: str) -> dict[str, Any]:
@@ -30,11 +34,11 @@ def add_make_model_parser(subparsers: argparse._SubParsersAction) -> argparse.Ar
         help="generate a tiny random model (HF layout + tokenizer) offline",
         description="Generate a deterministic, randomly initialised Hugging Face-layout model and tokenizer.",
     )
-    parser.add_argument("--arch", required=True, choices=sorted(ARCHS))
-    parser.add_argument("--preset", default="tiny", choices=list(PRESETS))
+    parser.add_argument("--arch", required=True, choices=ARCH_NAMES)
+    parser.add_argument("--preset", default="tiny", choices=PRESET_NAMES)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shards", type=int, default=1, help="number of safetensors shards")
-    parser.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    parser.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
     parser.add_argument(
         "--rope-scaling",
         type=parse_rope_scaling,
@@ -47,6 +51,8 @@ def add_make_model_parser(subparsers: argparse._SubParsersAction) -> argparse.Ar
 
 
 def run_make_model(args: argparse.Namespace) -> int:
+    from .text_models import make_text_model
+
     try:
         out_dir = make_text_model(
             args.arch,

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 class ModelConfigError(ValueError):
@@ -80,6 +81,7 @@ def architecture_of(raw: dict[str, Any]) -> str:
 def parse_dtype(name: str | None) -> torch.dtype | None:
     if name is None:
         return None
+    import torch  # here, not at module import: the gateway reads configs too and must stay torch-free
     table = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
              "float16": torch.float16, "half": torch.float16}
     if name not in table:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -81,6 +82,13 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def freeze_startup_objects() -> None:
+    """Move everything built at startup out of the garbage collector's sight: full collections otherwise
+    walk those objects every time and stall requests (measured: ~100 ms p99 stalls on the gateway)."""
+    gc.collect()
+    gc.freeze()
+
+
 def announce_ready(**fields: object) -> None:
     """One JSON line on stdout that tests and scripts wait for (it carries the real port when --port 0)."""
     print(json.dumps({"event": "ready", "pid": os.getpid(), **fields}), flush=True)
@@ -100,6 +108,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 async def serve_app(instance, sock: socket.socket, log_level: str = "info") -> None:
     app = await instance.start(advertised_host=sock.getsockname()[0])
+    freeze_startup_objects()
     config = uvicorn.Config(app, log_level=log_level.lower(), access_log=False, lifespan="off",
                             timeout_keep_alive=KEEP_ALIVE_S, loop="asyncio", http="httptools")
     server = uvicorn.Server(config)

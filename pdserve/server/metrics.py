@@ -57,6 +57,8 @@ class _EngineCollector:
         yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_queries)
         yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_hits)
         yield counter("vllm:num_preemptions", "Requests preempted (to be recomputed).", s.num_preemptions)
+        yield counter("pdserve:prompt_tokens_computed", "Prompt tokens computed here (not prefix hits, not transferred).",
+                      s.prompt_tokens_computed)
         for name, value in self.extra().items():
             kind, _, metric = name.partition(" ")
             yield counter(metric, metric, value) if kind == "counter" else gauge(metric, metric, value)

@@ -333,13 +333,13 @@ def _raise_if_failed(final: RequestOutput | None) -> None:
     if final is None:
         raise OpenAIError(500, "the request ended without a result")
     if final.finish_reason == "error":
-        raise OpenAIError(500, final.error or "the request failed in the engine")
+        raise OpenAIError(final.error_status, final.error or "the request failed in the engine")
     if final.finish_reason == "abort":
         raise OpenAIError(503, final.error or "the request was aborted")
 
 
 def _failure_body(out: RequestOutput) -> dict[str, Any]:
-    status = 500 if out.finish_reason == "error" else 503
+    status = out.error_status if out.finish_reason == "error" else 503
     return error_body(status, out.error or f"the request ended with finish_reason={out.finish_reason}")
 
 

@@ -11,6 +11,7 @@ import mmap
 import os
 import secrets
 import socket
+import struct
 import threading
 from typing import Any
 
@@ -29,6 +30,11 @@ def host_identity() -> str:
     except OSError:
         boot = "unknown"
     return f"{socket.gethostname()}/{boot}"
+
+
+def _same_user(conn: socket.socket) -> bool:
+    _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return uid == os.getuid()
 
 
 def map_pool(fd: int, shape: list[int], dtype: torch.dtype) -> tuple[mmap.mmap, torch.Tensor]:
@@ -110,6 +116,8 @@ class ShmDataPlane(DataPlane):
             except OSError:
                 return
             with conn:
+                if not _same_user(conn):
+                    continue  # the abstract socket is reachable by every local user; the KV is only for ours
                 try:
                     socket.send_fds(conn, [b"kv"], [self.fd])
                 except OSError:
