@@ -926,12 +926,13 @@ def print_profile(prof: dict[str, Any]) -> None:
         return
 
     def table(title: str, cols: list[str]) -> None:
+        w = max(len(c) for c in cols) + 2
         print(f"\n  {title}")
-        print(f"  {'segment (ms; # = count)':<58}" + "".join(f"{c:>13}" for c in cols))
+        print(f"  {'segment (ms; # = count)':<58}" + "".join(f"{c:>{w}}" for c in cols))
         keys = list(dict.fromkeys(k for c in cols for k in prof[c]))
         for k in keys:
             spec = ".0f" if k.startswith("#") else ".2f"
-            print(f"  {k[:58]:<58}" + "".join(f"{format(prof[c].get(k, float('nan')), spec):>13}" for c in cols))
+            print(f"  {k[:58]:<58}" + "".join(f"{format(prof[c].get(k, float('nan')), spec):>{w}}" for c in cols))
 
     c_cols = [c for c in prof if ":C/" in c]
     if c_cols:

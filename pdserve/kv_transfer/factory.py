@@ -176,9 +176,17 @@ def weight_fingerprint(model_dir: Path) -> str:
 Builder = Callable[[EngineConfig], ConnectorBundle]
 
 
+EXTRA_CONFIG_KEYS = frozenset({
+    "data_plane", "side_channel_host", "side_channel_port", "kv_lease_duration", "kv_load_timeout", "message_timeout",
+    "handshake_timeout", "push_registration_timeout", "capture_messages", "fault_injection", "fault_injection_api"})
+
+
 def build_pd_connector(config: EngineConfig) -> ConnectorBundle:
     kv_cfg = config.kv_transfer_config
     extra = dict(kv_cfg.get("kv_connector_extra_config") or {})
+    unknown = set(extra) - EXTRA_CONFIG_KEYS
+    if unknown:  # a misspelt key would otherwise be silently ignored
+        raise ValueError(f"unknown kv_connector_extra_config keys {sorted(unknown)}; known: {sorted(EXTRA_CONFIG_KEYS)}")
     host = str(extra.get("side_channel_host", kv_cfg.get("kv_ip", "127.0.0.1")))
     from pdserve.engine.llm_engine import checkpoint_dtype
 

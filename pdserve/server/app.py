@@ -85,20 +85,24 @@ async def guard_stream(request: Request, chunks: AsyncIterator[bytes]) -> AsyncI
     """Stop producing (and so abort the engine requests) as soon as the client disconnects."""
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
     iterator = chunks.__aiter__()
+    step: asyncio.Future | None = None
     try:
         while True:
             step = asyncio.ensure_future(iterator.__anext__())
             await asyncio.wait({step, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if not step.done():
-                step.cancel()
-                await asyncio.gather(step, return_exceptions=True)
                 return
             try:
                 yield step.result()
             except StopAsyncIteration:
                 return
     finally:
+        # Whoever noticed the disconnect first (our watcher, or the server cancelling us), the generator may
+        # still be running inside `step`: stop it there before closing it, or the engine request never aborts.
         watcher.cancel()
+        if step is not None and not step.done():
+            step.cancel()
+            await asyncio.gather(step, return_exceptions=True)
         await iterator.aclose()
 
 
