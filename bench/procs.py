@@ -3,9 +3,9 @@
 The trace changes no pdserve code: `child_env(dir, trace)` returns environment variables that put a generated
 `sitecustomize.py` on the child's PYTHONPATH; at start-up it imports `install_trace` from this file, which wraps a
 few methods (engine steps, command arrival, output delivery, transfer-agent loads and side-channel requests, data
-plane reads) with `time.monotonic()` stamps written as JSON lines. The same hook can apply `EXPERIMENTS`: small
-what-if patches that measure a suggested pdserve change before anyone makes it. CLOCK_MONOTONIC is system-wide on Linux, so the
-stamps of several processes (and of the benchmark client) share one time line.
+plane reads) with `time.monotonic()` stamps written as JSON lines. CLOCK_MONOTONIC is system-wide on Linux, so the
+stamps of several processes (and of the benchmark client) share one time line. The same hook can apply
+`EXPERIMENTS`: small what-if patches that measure a suggested pdserve change before anyone makes it.
 """
 
 from __future__ import annotations

@@ -1,32 +1,37 @@
 """KV transfer: data-plane bandwidth against its machine limits, and 1P1D TTFT against colocated, in one run.
 
-Part 1, data planes (two real processes): a `multiprocessing` spawn child owns a KV pool in the h256 layout
-([blocks, 4 layers, 2, 2 KV heads, 16 tokens, 64] fp32 = 64 KiB a block; 256 MiB by default), pre-touched, and
-serves it with the shm and the tcp data plane (allow-all authorizer) plus a raw socket server. The parent reads N
-blocks with `plane.connect(info).read_blocks(...)` into its own pre-touched pool and, in the same rounds:
+Part 1, data planes (two real processes): a `multiprocessing` spawn child owns a KV pool per plane in the h256
+layout ([blocks, 4 layers, 2, 2 KV heads, 16 tokens, 64] fp32 = 64 KiB a block; 256 MiB by default), pre-touched,
+serves them with the shm and tcp data planes (allow-all authorizer), and runs a raw socket server. The parent reads
+N blocks with `plane.connect(info).read_blocks(...)` into its own pre-touched pool and, in the same rounds:
   * memcpy: `dst.copy_(src)` of the same bytes between two pre-touched private tensors (the shm limit);
   * raw socket: a 16-byte request, then `sendall` of the same bytes straight from the child's pool, `recv_into`
-    the parent's pool over loopback TCP (the tcp limit; default socket buffers and TCP_NODELAY, like the plane;
-    a variant with 4 MiB SO_SNDBUF / SO_RCVBUF is shown for reference).
-Consecutive block ids and scattered ones (random ids on both sides) are measured. Every method gets its own
-random region of the pool each round (no cache-warm reuse), methods rotate order each round, the whole pool is
-read once through every path first (page faults). Reported: bytes moved / s (each byte counted once), medians,
-shm / memcpy (target >= 0.8) and tcp / raw socket (target >= 0.5); also the latency of a 1-block read and the CPU
-seconds per GB each side spent.
+    the parent's pool over loopback TCP (the tcp limit; default buffers and TCP_NODELAY like the plane; a
+    variant with 4 MiB SO_SNDBUF / SO_RCVBUF for reference).
+Block ids: consecutive; descending (what pdserve's allocator hands out once requests were freed tail first);
+scattered (random on both sides). Every method reads its own random region each round, the order rotates, the
+whole pool goes through every path first (page faults), rounds wait for a quiet machine and the ones other
+processes disturbed are dropped when enough quiet ones remain. Once per torch thread count in --dp-threads.
+Reported: bytes moved / s (each byte counted once), medians, shm / memcpy (target >= 0.8) and tcp / raw (target
+>= 0.5), also per-round ("paired") and best; CPU s per GB on each side; 1-block latency; the cost of first touch
+(a memfd pool is not populated until written); what-ifs (sorted pairs, other copy strategies).
 
-Part 2, TTFT of 1P1D against colocated (h256 llama, prompts of 256, 1024, 2000 random token ids): for every data
-plane a producer P and a consumer D, plus one colocated instance C, all real `pdserve serve` processes. PD: POST P
+Part 2, TTFT of 1P1D against colocated (h256 llama, prompts of 256, 1024, 2000 random token ids): per data plane
+a producer P and a consumer D, plus a colocated instance C, all real `pdserve serve` processes. PD: POST P
 (max_tokens 1, do_remote_decode), then POST D with P's kv_transfer_params and `stream: true`; TTFT(PD) = sending P's
-request -> D's first streamed token. TTFT(colocated) = sending to C -> its first streamed token. C is then asked
-the same prompt again ("C hit": a full prefix-cache hit, so the 1-token step D runs after a transfer, with no
-transfer). Distinct prompts every rep (seeded), modes in a shuffled order each rep, every instance warmed up first.
-Breakdown: P leg (client), D leg (client: P's answer -> D's first token), D's transfer seconds and bytes
-(/metrics deltas). `--profile` also traces the servers (bench/procs.py wraps engine steps, the transfer agent and
-the data planes with timestamps; no pdserve code changes) and splits each PD request into its segments.
+request -> D's first streamed token; TTFT(colocated) = sending to C -> its first streamed token. C then gets the
+same prompt again ("C hit": a prefix-cache hit, i.e. D's one-token step without a transfer). Every KV pool is
+cycled once first (steady state), every mode warmed up; distinct seeded prompts every rep, modes shuffled each rep.
+Breakdown: P leg, D leg (client), D's transfer seconds and bytes (/metrics deltas), each instance's own TTFT
+(vllm:time_to_first_token_seconds), time outside the prefill, and a "denoised" ratio that uses one pooled prefill
+time for P and C (prefill is the same work but swings with other processes' load).
+`--profile` traces the servers (bench/procs.py wraps engine steps, the transfer agent and the data planes with
+timestamps; no pdserve code changes) and splits each request into segments. `--experiment a,b` starts a second,
+patched set of instances (variant "exp", see procs.EXPERIMENTS) measured in the same interleaved reps.
 
-  .venv/bin/python bench/transfer.py --quick                # smoke run (~1-2 min)
+  .venv/bin/python bench/transfer.py --quick                # smoke run (~2-3 min)
   .venv/bin/python bench/transfer.py --json /tmp/transfer.json
-  .venv/bin/python bench/transfer.py --profile --only ttft  # where PD's extra time goes
+  .venv/bin/python bench/transfer.py --only ttft --profile --experiment nodelay,nopoll,prefault,sortruns
 """
 
 from __future__ import annotations
@@ -213,7 +218,7 @@ def bench_dataplane(args, contention: procs.Contention) -> dict[str, Any]:
     shape = [num_blocks, LAYERS, 2, KV_HEADS, BLOCK_SIZE, HEAD_DIM]
     sizes = [n for n in args.blocks if n <= num_blocks // 2]
     print(f"\n== Part 1: KV data planes, two processes | pool {args.pool_mib} MiB = {num_blocks} blocks x "
-          f"{block_bytes // 1024} KiB (h256 layout {shape[1:]}, fp32) | torch threads {torch.get_num_threads()}",
+          f"{block_bytes // 1024} KiB (h256 layout {shape[1:]}, fp32) | copy threads {args.dp_threads}",
           flush=True)
 
     ctx = mp.get_context("spawn")
@@ -364,60 +369,62 @@ def bench_dataplane(args, contention: procs.Contention) -> dict[str, Any]:
             return (remote, local) if pattern == "consecutive" else (remote[::-1], local[::-1])
         return rng.sample(range(num_blocks), n), rng.sample(range(num_blocks), n)
 
-    for n in sizes:
-        reps = args.dp_reps if n * block_bytes > 16 * MiB else args.dp_reps * 2
-        for pattern in ("consecutive", "descending", "scattered"):
-            run_now = dict(methods, **what_ifs.get(pattern, {}))
-            order = list(run_now)
-            times: dict[str, list[float]] = {m: [] for m in run_now}
-            cpu: dict[str, list[float]] = {m: [0.0, 0.0] for m in run_now}  # parent, owner
-            others = []
-            for m in run_now:  # a few untimed reads of this exact shape
-                for _ in range(2):
-                    run_now[m](*ids_for(pattern, n))
-            rounds: list[tuple[float, dict[str, float]]] = []  # (others' cores, seconds per method)
-            for rep in range(reps):
-                if args.dp_wait_idle > 0:
-                    contention.wait_for_quiet(args.dp_wait_idle, window_s=0.2)
-                contention.mark()
-                rot = order[rep % len(order):] + order[:rep % len(order)]
-                one: dict[str, float] = {}
-                for m in rot:
-                    remote, local = ids_for(pattern, n)
-                    c_parent, c_owner = time.process_time(), procs.cpu_seconds(owner_pid)
-                    t = time.perf_counter()
-                    run_now[m](remote, local)
-                    one[m] = time.perf_counter() - t
-                    cpu[m][0] += time.process_time() - c_parent
-                    cpu[m][1] += procs.cpu_seconds(owner_pid) - c_owner
-                rounds.append((contention.since_mark()["others"], one))
-            # Prefer the rounds no other process disturbed (a descheduled torch thread stalls a whole copy).
-            others = [o for o, _ in rounds]
-            quiet = [r for o, r in rounds if o < QUIET_CORES]
-            kept = quiet if len(quiet) >= max(3, reps // 3) else [r for _, r in rounds]
-            for r in kept:
-                for m, v in r.items():
-                    times[m].append(v)
-            nbytes = n * block_bytes
-            case = {"blocks": n, "pattern": pattern, "bytes": nbytes, "reps": reps, "rounds_kept": len(kept),
-                    "quiet_rounds_only": kept is quiet,
-                    "others_cores_max": max(others), "others_cores_median": median(others)}
-            for m in run_now:
-                case[f"{m}_GBps"] = nbytes / median(times[m]) / 1e9
-                case[f"{m}_ms"] = median(times[m]) * 1e3
-                total = nbytes * len(rounds) / 1e9
-                case[f"{m}_cpu_s_per_GB"] = {"reader": cpu[m][0] / total, "owner": cpu[m][1] / total}
-                case[f"{m}_GBps_best"] = nbytes / min(times[m]) / 1e9
-            case["shm_over_memcpy"] = case["shm_GBps"] / case["memcpy_GBps"]
-            case["tcp_over_raw"] = case["tcp_GBps"] / case["raw_GBps"]
-            # the same ratios rep by rep (both measured within one round), then the median: steadier under noise
-            case["shm_over_memcpy_paired"] = median([b / a for a, b in zip(times["shm"], times["memcpy"])])
-            case["tcp_over_raw_paired"] = median([b / a for a, b in zip(times["tcp"], times["raw"])])
-            results["cases"].append(case)
-
-            for m in what_ifs.get(pattern, {}):
-                base = "raw" if m.startswith("tcp") else "memcpy"
-                case[f"{m}_over_{base}_paired"] = median([b / a for a, b in zip(times[m], times[base])])
+    for threads in args.dp_threads:  # torch intra-op threads for memcpy and the shm copies
+        torch.set_num_threads(threads)
+        for n in sizes:
+            reps = args.dp_reps if n * block_bytes > 16 * MiB else args.dp_reps * 2
+            for pattern in ("consecutive", "descending", "scattered"):
+                run_now = dict(methods, **what_ifs.get(pattern, {}))
+                order = list(run_now)
+                times: dict[str, list[float]] = {m: [] for m in run_now}
+                cpu: dict[str, list[float]] = {m: [0.0, 0.0] for m in run_now}  # parent, owner
+                others = []
+                for m in run_now:  # a few untimed reads of this exact shape
+                    for _ in range(2):
+                        run_now[m](*ids_for(pattern, n))
+                rounds: list[tuple[float, dict[str, float]]] = []  # (others' cores, seconds per method)
+                for rep in range(reps):
+                    if args.dp_wait_idle > 0:
+                        contention.wait_for_quiet(args.dp_wait_idle, window_s=0.2)
+                    contention.mark()
+                    rot = order[rep % len(order):] + order[:rep % len(order)]
+                    one: dict[str, float] = {}
+                    for m in rot:
+                        remote, local = ids_for(pattern, n)
+                        c_parent, c_owner = time.process_time(), procs.cpu_seconds(owner_pid)
+                        t = time.perf_counter()
+                        run_now[m](remote, local)
+                        one[m] = time.perf_counter() - t
+                        cpu[m][0] += time.process_time() - c_parent
+                        cpu[m][1] += procs.cpu_seconds(owner_pid) - c_owner
+                    rounds.append((contention.since_mark()["others"], one))
+                # Prefer the rounds no other process disturbed (a descheduled torch thread stalls a whole copy).
+                others = [o for o, _ in rounds]
+                quiet = [r for o, r in rounds if o < QUIET_CORES]
+                kept = quiet if len(quiet) >= max(3, reps // 3) else [r for _, r in rounds]
+                for r in kept:
+                    for m, v in r.items():
+                        times[m].append(v)
+                nbytes = n * block_bytes
+                case = {"threads": threads, "blocks": n, "pattern": pattern, "bytes": nbytes, "reps": reps,
+                        "rounds_kept": len(kept), "quiet_rounds_only": kept is quiet,
+                        "others_cores_max": max(others), "others_cores_median": median(others)}
+                for m in run_now:
+                    case[f"{m}_GBps"] = nbytes / median(times[m]) / 1e9
+                    case[f"{m}_ms"] = median(times[m]) * 1e3
+                    total = nbytes * len(rounds) / 1e9
+                    case[f"{m}_cpu_s_per_GB"] = {"reader": cpu[m][0] / total, "owner": cpu[m][1] / total}
+                    case[f"{m}_GBps_best"] = nbytes / min(times[m]) / 1e9
+                case["shm_over_memcpy"] = case["shm_GBps"] / case["memcpy_GBps"]
+                case["tcp_over_raw"] = case["tcp_GBps"] / case["raw_GBps"]
+                # the same ratios rep by rep (both measured within one round), then the median: steadier under noise
+                case["shm_over_memcpy_paired"] = median([b / a for a, b in zip(times["shm"], times["memcpy"])])
+                case["tcp_over_raw_paired"] = median([b / a for a, b in zip(times["tcp"], times["raw"])])
+                results["cases"].append(case)
+                for m in what_ifs.get(pattern, {}):
+                    base = "raw" if m.startswith("tcp") else "memcpy"
+                    case[f"{m}_over_{base}_paired"] = median([b / a for a, b in zip(times[m], times[base])])
+    torch.set_num_threads(args.dp_threads[0])
 
     # Fixed cost: one block, many times.
     lat: dict[str, list[float]] = {m: [] for m in methods}
@@ -487,10 +494,13 @@ def bench_dataplane(args, contention: procs.Contention) -> dict[str, Any]:
 def print_dataplane(res: dict[str, Any]) -> None:
     print("\n  KV bytes moved per second (GB/s, median; each byte counted once). memcpy = one contiguous copy of "
           "the same bytes; raw = loopback TCP stream of the same bytes")
-    head = (f"  {'blocks':>6} {'MiB':>6} {'ids':<11} {'memcpy':>7} {'shm':>7} {'shm/memcpy':>10} {'paired':>6}  {'raw':>6} "
-            f"{'tcp':>6} {'tcp/raw':>8} {'paired':>6}  {'raw 4MiB-buf':>12}  {'rounds':>9}")
-    print(head)
+    head = (f"  {'blocks':>6} {'MiB':>6} {'ids':<11} {'memcpy':>7} {'shm':>7} {'shm/memcpy':>10} {'paired':>6}  "
+            f"{'raw':>6} {'tcp':>6} {'tcp/raw':>8} {'paired':>6}  {'raw 4MiB-buf':>12}  {'rounds':>9}")
     for c in res["cases"]:
+        if c is res["cases"][0] or c["threads"] != prev:
+            print(f"  torch threads {c['threads']} (memcpy and shm copies):")
+            print(head)
+        prev = c["threads"]
         shm_ok = "PASS" if c["shm_over_memcpy"] >= TARGET_SHM else "MISS"
         tcp_ok = "PASS" if c["tcp_over_raw"] >= TARGET_TCP else "MISS"
         print(f"  {c['blocks']:>6} {c['bytes'] / MiB:>6.1f} {c['pattern']:<11} {c['memcpy_GBps']:>7.2f} "
@@ -499,8 +509,8 @@ def print_dataplane(res: dict[str, Any]) -> None:
               f"{c['tcp_over_raw_paired']:>6.2f}  {c['raw_4MiB_GBps']:>12.2f}  "
               f"{c['rounds_kept']:>3}/{c['reps']:<3}{'q' if c['quiet_rounds_only'] else '!':>2}")
     print("  best rep (GB/s): " + "; ".join(
-        f"{c['blocks']} {c['pattern'][:6]}: " + " ".join(f"{m} {c[f'{m}_GBps_best']:.1f}"
-                                                         for m in ("memcpy", "shm", "raw", "tcp"))
+        f"{c['threads']}t {c['blocks']} {c['pattern'][:6]}: " + " ".join(f"{m} {c[f'{m}_GBps_best']:.1f}"
+                                                                   for m in ("memcpy", "shm", "raw", "tcp"))
         for c in res["cases"]))
     print(f"  targets: shm >= {TARGET_SHM} x memcpy, tcp >= {TARGET_TCP} x raw socket (ratio of medians; 'paired' = "
           f"median of per-round ratios). rounds: kept/run; q = only rounds where other processes used < {QUIET_CORES} "
@@ -509,13 +519,14 @@ def print_dataplane(res: dict[str, Any]) -> None:
     for c in res["cases"]:
         parts = "  ".join(f"{m} {c[f'{m}_cpu_s_per_GB']['reader']:.2f}/{c[f'{m}_cpu_s_per_GB']['owner']:.2f}"
                           for m in ("memcpy", "shm", "raw", "tcp"))
-        print(f"  {c['blocks']:>6} {c['pattern']:<11} {parts}")
+        print(f"  {c['threads']}t {c['blocks']:>6} {c['pattern']:<11} {parts}")
     desc = [c for c in res["cases"] if c["pattern"] == "descending" and "shm_sorted_GBps" in c]
     if desc:
         print("\n  what-if, descending ids (what the allocator hands out after a request is freed tail first): "
               "read_blocks with the (remote, local) pairs sorted by remote id (GB/s median; x limit, paired)")
         for c in desc:
-            print(f"  {c['blocks']:>6} blocks: shm {c['shm_GBps']:.2f} ({c['shm_over_memcpy_paired']:.2f}x memcpy) -> "
+            print(f"  {c['threads']}t {c['blocks']:>6} blocks: shm {c['shm_GBps']:.2f} "
+                  f"({c['shm_over_memcpy_paired']:.2f}x memcpy) -> "
                   f"sorted {c['shm_sorted_GBps']:.2f} ({c['shm_sorted_over_memcpy_paired']:.2f}x);  tcp "
                   f"{c['tcp_GBps']:.2f} ({c['tcp_over_raw_paired']:.2f}x raw) -> sorted {c['tcp_sorted_GBps']:.2f} "
                   f"({c['tcp_sorted_over_raw_paired']:.2f}x)")
@@ -526,12 +537,14 @@ def print_dataplane(res: dict[str, Any]) -> None:
               "over the runs (one call);\n  2threads = the runs split over two Python threads; views = per-block views "
               "made once + one _foreach_copy_; views_2t = that, halves on two threads")
         for c in wi:
-            print(f"  {c['blocks']:>6} blocks: shm {c['shm_GBps']:.2f} ({c['shm_over_memcpy_paired']:.2f}x) " + " ".join(
-                f"{m[4:]} {c[f'{m}_GBps']:.2f} ({c[f'{m}_over_memcpy_paired']:.2f}x)"
-                for m in ("shm_index", "shm_foreach", "shm_2threads", "shm_views", "shm_views_2t")))
+            alternatives = " ".join(f"{m[4:]} {c[f'{m}_GBps']:.2f} ({c[f'{m}_over_memcpy_paired']:.2f}x)"
+                                    for m in ("shm_index", "shm_foreach", "shm_2threads", "shm_views", "shm_views_2t"))
+            print(f"  {c['threads']}t {c['blocks']:>6} blocks: shm {c['shm_GBps']:.2f} "
+                  f"({c['shm_over_memcpy_paired']:.2f}x) {alternatives}")
     ft = res.get("shm_first_touch")
     if ft:
-        print(f"\n  shm first touch, {ft['blocks']} consecutive blocks ({ft['blocks'] * res['block_bytes'] / MiB:.1f} MiB)"
+        mib = ft["blocks"] * res["block_bytes"] / MiB
+        print(f"\n  shm first touch, {ft['blocks']} consecutive blocks ({mib:.1f} MiB)"
               f" into pages never used before (ms, median of {ft['rounds']}): " + ", ".join(
                   f"{k} {v:.2f}" for k, v in ft.items() if k not in ("blocks", "rounds")))
     lat = res["one_block_us"]
@@ -914,7 +927,8 @@ def print_ttft(res: dict[str, Any]) -> None:
           "  paired = median of per-rep PD/C ratios; denoised = (F + median(PD - P srv)) / (F + median(C - C srv)), F = "
           "median of all P srv and C srv samples:\n  P's and C's prefills (the same work, which swings with other "
           "processes' load) replaced by one pooled median, so only each side's own overhead differs\n"
-          f"  reps: kept; q = only reps where other processes used < {QUIET_CORES} cores, ! = too few quiet reps, all kept")
+          f"  reps: kept; q = only reps where other processes used < {QUIET_CORES} cores, "
+          "! = too few quiet reps, all kept")
     worst = max((c["others"] for c in res["contention"]), default=0.0)
     print(f"  first-token text differing between modes (same prompt): {res['first_token_mismatches']}; "
           f"other processes: up to {worst:.2f} cores during a rep")
@@ -954,7 +968,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=_THREADS_DEFAULT, help="torch threads, here and in instances")
     ap.add_argument("--pool-mib", type=int, default=256)
     ap.add_argument("--blocks", default="125,2048", help="blocks per read (125 = one 2000-token prompt)")
-    ap.add_argument("--dp-reps", type=int, default=None, help="data-plane rounds (default 21, doubled for reads <= 16 MiB; quick 5)")
+    ap.add_argument("--dp-reps", type=int, default=None,
+                    help="data-plane rounds (default 21, doubled for reads <= 16 MiB; quick 5)")
+    ap.add_argument("--dp-threads", default="1,2",
+                    help="torch threads for the memcpy and shm copies, one table each (default 1,2: with another "
+                         "process on a 2-core box a 2-thread copy waits for its descheduled thread)")
     ap.add_argument("--dp-wait-idle", type=float, default=2.0,
                     help="before each data-plane round, wait up to S s for other processes to use < 0.25 cores")
     ap.add_argument("--lengths", default="256,1024,2000")
@@ -963,7 +981,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=2, help="tokens D and C generate (default 2)")
     ap.add_argument("--kv-blocks", type=int, default=1024, help="KV blocks of every instance")
     ap.add_argument("--no-touch-pools", dest="touch_pools", action="store_false",
-                    help="skip cycling every KV pool once before measuring (then shm pools pay first-touch page faults)")
+                    help="skip cycling every KV pool once before measuring (shm pools then pay first-touch faults)")
     ap.add_argument("--wait-idle", type=float, default=5.0,
                     help="before each TTFT (rep, length), wait up to S s for other processes to use < 0.25 cores")
     ap.add_argument("--profile", action="store_true", help="trace the servers and print each PD request's time line")
@@ -976,6 +994,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.planes = [p for p in args.planes.split(",") if p]
     args.experiment = [e for e in args.experiment.split(",") if e]
     args.blocks = [int(x) for x in args.blocks.split(",")]
+    args.dp_threads = [int(x) for x in args.dp_threads.split(",")]
     args.lengths = [int(x) for x in args.lengths.split(",")]
     if args.quick:
         args.dp_reps = args.dp_reps or 5
@@ -1027,7 +1046,7 @@ def main(argv: list[str] | None = None) -> int:
     if "dataplane" in results:
         print("\n== Summary")
         for c in results["dataplane"]["cases"]:
-            print(f"  {c['blocks']:>5} blocks {c['pattern']:<11}: shm/memcpy {c['shm_over_memcpy']:.2f} "
+            print(f"  {c['threads']}t {c['blocks']:>5} blocks {c['pattern']:<11}: shm/memcpy {c['shm_over_memcpy']:.2f} "
                   f"(paired {c['shm_over_memcpy_paired']:.2f}; >= {TARGET_SHM}), tcp/raw {c['tcp_over_raw']:.2f} "
                   f"(paired {c['tcp_over_raw_paired']:.2f}; >= {TARGET_TCP})"
                   f"{'' if c['quiet_rounds_only'] else '  [noisy: too few quiet rounds]'}")
@@ -1035,7 +1054,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n== Summary")
     for r in results.get("ttft", {}).get("rows", []):
         target = f" (<= {TARGET_PD})" if r["len"] == TARGET_PD_LEN else ""
-        print(f"  TTFT {r['variant']} {r['plane']} {r['len']:>5} tokens: PD/colocated {r['pd_over_colocated']:.2f}{target} "
+        print(f"  TTFT {r['variant']} {r['plane']} {r['len']:>5} tokens: "
+              f"PD/colocated {r['pd_over_colocated']:.2f}{target} "
               f"(paired {r['pd_over_colocated_paired']:.2f}, denoised {r['pd_over_colocated_denoised']:.2f}), "
               f"PD {r['pd_ms']:.1f} ms vs {r['colocated_ms']:.1f} ms")
     print(f"  load {results['load_before']} -> {results['load_after']}")

@@ -36,6 +36,9 @@ class EngineConfig:
     kv_transfer_config: dict[str, Any] = field(default_factory=dict)
     ec_transfer_config: dict[str, Any] = field(default_factory=dict)
     fault_injection: dict[str, Any] = field(default_factory=dict)
+    encoder_cache_size: int | None = None  # embeddings; default max(max_num_batched_tokens, 8192)
+    allowed_local_media_path: Path | None = None
+    allow_remote_media: bool = False
 
     def __post_init__(self) -> None:
         self.model = Path(self.model)
@@ -73,6 +76,8 @@ class EngineConfig:
     def resolve_num_blocks(self, block_bytes: int, max_model_len: int) -> int:
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
+        if self.role == "encode":  # it runs only the vision encoder: a token KV cache keeps the engine whole
+            return -(-max_model_len // self.block_size)
         by_memory = int(self.kv_cache_memory_gib * (1 << 30)) // block_bytes
         # Never more than every sequence at full length could use: no point reserving memory nobody can fill.
         by_need = self.max_num_seqs * -(-max_model_len // self.block_size)

@@ -11,7 +11,10 @@ from pdserve.config import EngineConfig
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv_transfer.factory import build_connectors
+from pdserve.multimodal.media import MediaPolicy
+from pdserve.multimodal.prompt import MultimodalPrompter
 from pdserve.server.app import build_app, json_response
+from pdserve.server.encode_serving import EncodeServing
 from pdserve.server.errors import error_body
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.serving import OpenAIServing
@@ -27,17 +30,48 @@ class Instance:
     async def start(self, advertised_host: str = "127.0.0.1") -> FastAPI:
         self.async_engine.start()
         bundle = self.connectors
-        extra_stats = dict
         if bundle is not None:
             await bundle.start(self.async_engine, advertised_host)
-            extra_stats = bundle.metrics
-        serving = OpenAIServing(
+        if self.engine.ec is not None and self._ec_produces():
+            self.engine.ec.start()
+        serving = self._serving()
+        metrics = ServerMetrics(self.config.model_name, self.engine.stats, self._extra_metrics(serving))
+        return build_app(self.async_engine, serving, metrics, self._transfer_routes if bundle else None)
+
+    def _ec_produces(self) -> bool:
+        return self.config.role == "encode" or self.config.ec_transfer_config.get("ec_role") in ("ec_producer",
+                                                                                                 "ec_both")
+
+    def _serving(self) -> OpenAIServing | EncodeServing:
+        prompter = self._prompter()
+        if self.config.role == "encode":
+            if prompter is None or self.engine.ec is None:
+                raise ValueError("an encode instance needs a multimodal model and --ec-transfer-config")
+            return EncodeServing(self.async_engine, self.config.model_name, prompter, self.engine.ec)
+        bundle = self.connectors
+        return OpenAIServing(
             self.async_engine, self.config.model_name, self.engine.tokenizer, self.engine.max_model_len,
             check_kv_params=bundle.check_request_params if bundle else None,
             reject_kv_params=bundle.reject if bundle else None,
-            prepare_kv_params=bundle.prepare_request_params if bundle else None)
-        metrics = ServerMetrics(self.config.model_name, self.engine.stats, extra_stats)
-        return build_app(self.async_engine, serving, metrics, self._transfer_routes if bundle else None)
+            prepare_kv_params=bundle.prepare_request_params if bundle else None,
+            prompter=prompter)
+
+    def _extra_metrics(self, serving: OpenAIServing | EncodeServing):
+        sources = []
+        if self.connectors is not None:
+            sources.append(self.connectors.metrics)
+        if self.engine.ec is not None:
+            sources.append(self.engine.ec.stats)
+        if isinstance(serving, EncodeServing):
+            sources.append(serving.stats)
+
+        def collect() -> dict[str, float]:
+            merged: dict[str, float] = {}
+            for source in sources:
+                merged.update(source())
+            return merged
+
+        return collect
 
     def _transfer_routes(self, app: FastAPI) -> None:
         bundle = self.connectors
@@ -67,6 +101,14 @@ class Instance:
                 return json_response(error_body(400, str(exc)), 400)
             return json_response({"released": released})
 
+    def _prompter(self) -> MultimodalPrompter | None:
+        vision = self.engine.vision
+        if vision is None:
+            return None
+        return MultimodalPrompter(self.engine.tokenizer, vision.image_processor, vision.image_token_id,
+                                  vision.num_image_tokens,
+                                  MediaPolicy(self.config.allowed_local_media_path, self.config.allow_remote_media))
+
     def ready_fields(self) -> dict[str, Any]:
         fields: dict[str, Any] = {"role": self.config.role, "model": self.config.model_name,
                                   "kv_block_bytes": self.engine.runner.kv_block_bytes(),
@@ -78,4 +120,6 @@ class Instance:
     async def stop(self) -> None:
         if self.connectors is not None:
             await self.connectors.stop()
+        if self.engine.ec is not None:
+            self.engine.ec.stop()
         self.async_engine.stop()

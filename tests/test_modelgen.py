@@ -272,8 +272,11 @@ def test_cli_rejects_bad_shard_count(tmp_path: Path) -> None:
 
 def test_cli_choices_match_the_generator():
     """The CLI lists names without importing torch; they must stay in step with what the generator builds."""
-    from pdserve.modelgen import cli, text_models
+    from pdserve.modelgen import cli, llava, text_models
 
-    assert set(cli.ARCH_NAMES) == set(text_models.ARCHS)
+    assert set(cli.TEXT_ARCH_NAMES) == set(text_models.ARCHS)
+    assert set(cli.ARCH_NAMES) == set(text_models.ARCHS) | set(cli.MULTIMODAL_ARCH_NAMES)
+    assert cli.MULTIMODAL_ARCH_NAMES == ("llava",)
+    assert set(cli.LLAVA_LAYOUT_NAMES) == set(llava.LAYOUTS)
     assert set(cli.PRESET_NAMES) == set(text_models.PRESETS)
     assert set(cli.DTYPE_NAMES) == set(text_models.DTYPES)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from pdserve.config import EngineConfig
+from pdserve.ec_transfer.factory import build_ec_connector, ec_policy
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_runner import ModelRunner, default_kv_allocator
 from pdserve.engine.output_processor import OutputProcessor, RequestOutput
@@ -38,6 +39,10 @@ class EngineStats:
     prefix_hits: int
     num_preemptions: int
     prompt_tokens_computed: int
+    encoder_entries: int = 0
+    encoder_entries_held: int = 0
+    encoder_hits: int = 0
+    encoder_misses: int = 0
 
 
 class LLMEngine:
@@ -62,10 +67,15 @@ class LLMEngine:
         self.runner.allocate_kv_cache(num_blocks, allocator)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.max_seq_len = max_sequence_length(config, self.max_model_len, num_blocks)
+        self.ec = build_ec_connector(config.ec_transfer_config)
+        if self.ec is not None:
+            self.runner.ec_loader = lambda item: self.ec.load(item.mm_hash, item.source or {})
         sched_cfg = SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_seq_len, enable_chunked_prefill=config.enable_chunked_prefill,
-            kv_load_failure_policy=config.kv_transfer_config.get("kv_load_failure_policy", "recompute"))
+            kv_load_failure_policy=config.kv_transfer_config.get("kv_load_failure_policy", "recompute"),
+            ec_load_failure_policy=ec_policy(config.ec_transfer_config),
+            encoder_cache_size=config.encoder_cache_size or max(config.max_num_batched_tokens, 8192))
         self.scheduler = Scheduler(sched_cfg, self.kv, connectors.scheduler if connectors is not None else None)
         self.output = OutputProcessor(self.tokenizer)
         self.last_step_tokens = 0
@@ -126,6 +136,11 @@ class LLMEngine:
                     out.kv_transfer_params = by_id[out.request_id].returned_kv_transfer_params
         return outputs
 
+    @property
+    def vision(self):
+        """The vision encoder (with its image processor) of a multimodal model, else None."""
+        return self.runner.vision
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
@@ -139,7 +154,10 @@ class LLMEngine:
             num_held=len(self.scheduler.held), blocks_used=self.kv.num_used_blocks, blocks_total=self.kv.num_blocks,
             kv_cache_usage=self.kv.usage, prefix_queries=self.kv.prefix_queries, prefix_hits=self.kv.prefix_hits,
             num_preemptions=self.scheduler.num_preemptions,
-            prompt_tokens_computed=self.scheduler.num_prompt_tokens_computed)
+            prompt_tokens_computed=self.scheduler.num_prompt_tokens_computed,
+            encoder_entries=self.scheduler.encoder_cache.num_entries,
+            encoder_entries_held=self.scheduler.encoder_cache.num_held,
+            encoder_hits=self.scheduler.encoder_cache.hits, encoder_misses=self.scheduler.encoder_cache.misses)
 
 
 def max_sequence_length(config: EngineConfig, max_model_len: int, num_blocks: int) -> int:

@@ -10,6 +10,7 @@ import torch
 
 from pdserve.engine.kv_cache_manager import cdiv
 from pdserve.engine.outputs import KVConnectorOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pdserve.engine.request import MultiModalItem
 from pdserve.engine.sampler import sample
 from pdserve.ids import ReqId
 from pdserve.kv_transfer.base import KVConnectorWorker
@@ -36,6 +37,9 @@ class ModelRunner:
         self.model = self.loaded.model
         self.cfg = self.loaded.text_config
         self.connector = connector
+        self.vision = self.loaded.vision  # a LLaVA-style encoder, or None for text models
+        self.encoder_cache: dict[str, torch.Tensor] = {}  # mm_hash -> [num_embeds, hidden], per the scheduler
+        self.ec_loader: Callable[[MultiModalItem], torch.Tensor] | None = None  # set by an EC connector
         self.kv_cache: torch.Tensor | None = None
         self.generators: dict[ReqId, torch.Generator] = {}
         self.default_generator = torch.Generator().manual_seed(seed)
@@ -62,13 +66,21 @@ class ModelRunner:
     def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         for rid in plan.finished_req_ids:
             self.generators.pop(rid, None)
+        for mm_hash in plan.free_mm_hashes:
+            self.encoder_cache.pop(mm_hash, None)
         connector = self.connector
         if connector is not None and plan.kv_connector_metadata is not None:
             connector.bind_connector_metadata(plan.kv_connector_metadata)
             connector.start_load_kv()
         out = ModelRunnerOutput()
-        if plan.scheduled:
-            self._run(plan.scheduled, out)
+        scheduled = plan.scheduled
+        if any(s.mm_to_produce for s in scheduled):
+            out.invalid_mm_hashes = self._produce_encoder_outputs(scheduled)
+            if out.invalid_mm_hashes:  # those requests wait for the scheduler's rollback; the others run
+                scheduled = [s for s in scheduled
+                             if not any(m.mm_hash in out.invalid_mm_hashes for m in s.mm_items)]
+        if scheduled:
+            self._run(scheduled, out)
         if connector is not None:
             connector.wait_for_save()
             sending, recving = connector.get_finished(plan.finished_req_ids)
@@ -95,9 +107,55 @@ class ModelRunner:
             if i in result.logprobs:
                 out.logprobs[s.request_id] = result.logprobs[i]
 
+    # -- encoder outputs ----------------------------------------------------------------------------------
+    def _produce_encoder_outputs(self, scheduled: list[ScheduledRequest]) -> dict[str, str]:
+        """Load remote items and encode local ones into the encoder cache; returns failed loads (mm_hash: why)."""
+        failed: dict[str, str] = {}
+        to_encode: dict[str, MultiModalItem] = {}
+        for s in scheduled:
+            for item in s.mm_items:
+                if item.mm_hash not in s.mm_to_produce or item.mm_hash in self.encoder_cache:
+                    continue
+                if item.remote and self.ec_loader is not None:
+                    try:
+                        self.encoder_cache[item.mm_hash] = self._checked(item, self.ec_loader(item))
+                    except Exception as exc:  # noqa: BLE001 - any load failure is the policy's to handle
+                        failed[item.mm_hash] = f"{type(exc).__name__}: {exc}"
+                else:
+                    to_encode[item.mm_hash] = item
+        if to_encode:
+            self.encode_items(list(to_encode.values()))
+        return failed
+
+    def encode_items(self, items: list[MultiModalItem]) -> list[torch.Tensor]:
+        """Run the vision encoder on items (batched) and keep the outputs in the encoder cache."""
+        if self.vision is None:
+            raise ValueError("this model has no vision encoder")
+        outputs = self.vision.encode(torch.stack([item.data for item in items]).to(self.device))
+        for item, output in zip(items, outputs, strict=True):
+            self.encoder_cache[item.mm_hash] = output
+        return list(outputs)
+
+    def _checked(self, item: MultiModalItem, output: torch.Tensor) -> torch.Tensor:
+        expected = (item.length, self.cfg.hidden_size)
+        if tuple(output.shape) != expected:
+            raise ValueError(f"encoder output for {item.mm_hash} has shape {tuple(output.shape)}, expected {expected}")
+        return output.to(device=self.device, dtype=self.dtype)
+
     def _embed_inputs(self, batch: list[ScheduledRequest], input_ids: torch.Tensor) -> torch.Tensor | None:
-        """Text-only models embed token ids inside forward; multimodal runners override this."""
-        return None
+        """Token embeddings, with each media item's encoder output in place of its placeholder tokens."""
+        if not any(s.mm_items for s in batch):
+            return None
+        embeds = self.model.embed(input_ids)
+        row = 0
+        for s in batch:
+            start, end = s.start_position, s.start_position + len(s.token_ids)
+            for item in s.mm_items:
+                lo, hi = max(start, item.offset), min(end, item.offset + item.length)
+                output = self.encoder_cache[item.mm_hash]
+                embeds[row + lo - start:row + hi - start] = output[lo - item.offset:hi - item.offset]
+            row += end - start
+        return embeds
 
     def _generator(self, s: ScheduledRequest) -> torch.Generator | None:
         seed = s.sampling_params.seed

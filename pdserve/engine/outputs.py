@@ -22,6 +22,7 @@ class ScheduledRequest:
     eos_token_ids: tuple[int, ...] = ()
     # Media items whose embeddings this chunk needs; the runner encodes or loads them.
     mm_items: list[MultiModalItem] = field(default_factory=list)
+    mm_to_produce: set[str] = field(default_factory=set)  # of those, the ones not in the encoder cache yet
 
     @property
     def is_decode(self) -> bool:
@@ -34,7 +35,7 @@ class SchedulerOutput:
     finished_req_ids: set[ReqId] = field(default_factory=set)  # runner drops their per-request state
     preempted_req_ids: set[ReqId] = field(default_factory=set)
     kv_connector_metadata: object | None = None
-    ec_connector_metadata: object | None = None
+    free_mm_hashes: list[str] = field(default_factory=list)  # encoder outputs the runner may drop
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -47,7 +48,6 @@ class KVConnectorOutput:
     finished_recving: set[ReqId] = field(default_factory=set)
     failed_recving: set[ReqId] = field(default_factory=set)
     invalid_block_ids: set[int] = field(default_factory=set)
-    invalid_mm_hashes: set[str] = field(default_factory=set)
     refused_recving: dict[ReqId, str] = field(default_factory=dict)
 
 
@@ -56,3 +56,4 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[ReqId, int] = field(default_factory=dict)
     logprobs: dict[ReqId, TokenLogprobs] = field(default_factory=dict)
     connector: KVConnectorOutput = field(default_factory=KVConnectorOutput)
+    invalid_mm_hashes: dict[str, str] = field(default_factory=dict)  # encoder outputs that failed to load: why

@@ -59,6 +59,7 @@ class MultiModalItem:
     length: int
     data: Any = None  # preprocessed input (e.g. pixel values); lives with the model runner, never inspected here
     remote: bool = False  # ec_transfer_params said an encode instance holds its output
+    source: dict[str, Any] | None = None  # those ec_transfer_params: where the output is and how to fetch it
 
 
 @dataclass(eq=False, slots=True)

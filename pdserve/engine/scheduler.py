@@ -11,6 +11,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from pdserve.engine.encoder_cache import EncoderCacheManager
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.outputs import KVConnectorOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pdserve.engine.request import Request, RequestStatus
@@ -25,6 +26,8 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     kv_load_failure_policy: str = "recompute"  # or "fail"
+    ec_load_failure_policy: str = "recompute"  # or "fail"
+    encoder_cache_size: int = 8192  # embeddings the runner may keep
 
 
 class Scheduler:
@@ -43,6 +46,7 @@ class Scheduler:
         self._ended: list[Request] = []
         self.num_prompt_tokens_computed = 0  # prompt tokens this engine computed itself (not hit, not transferred)  # ended by the scheduler itself; each still owes its client an output
         self.num_preemptions = 0
+        self.encoder_cache = EncoderCacheManager(config.encoder_cache_size)
 
     # -- queries ----------------------------------------------------------------------------------------
     @property
@@ -97,6 +101,7 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
             start = request.num_computed_tokens
+            items = [m for m in request.mm_items if m.offset < start + num_new and m.offset + m.length > start]
             out.scheduled.append(ScheduledRequest(
                 request_id=request.request_id,
                 token_ids=request.token_ids_range(start, start + num_new),
@@ -107,8 +112,11 @@ class Scheduler:
                 prompt_token_ids=request.prompt_token_ids,
                 output_token_ids=request.output_token_ids,
                 eos_token_ids=request.eos_token_ids,
-                mm_items=[m for m in request.mm_items if m.offset < start + num_new and m.offset + m.length > start],
+                mm_items=items,
+                mm_to_produce={m.mm_hash for m in items
+                               if self.encoder_cache.use(m.mm_hash, m.length, request.request_id)},
             ))
+        out.free_mm_hashes = self.encoder_cache.take_freed()
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
@@ -125,6 +133,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request.request_id)
+        self.encoder_cache.release(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -214,6 +223,7 @@ class Scheduler:
         """Advance requests by what the runner computed; return those with a new token or a new ending."""
         touched: list[Request] = []
         rolled_back = self._handle_invalid_blocks(plan, result.connector)
+        rolled_back |= self._handle_invalid_mm_items(plan, result.invalid_mm_hashes)
         now = time.monotonic()
         for item in plan.scheduled:
             request = self.requests.get(item.request_id)
@@ -299,6 +309,30 @@ class Scheduler:
             self.kv.evict(table[first:])
         return affected
 
+    def _handle_invalid_mm_items(self, plan: SchedulerOutput, invalid: dict[str, str]) -> set[ReqId]:
+        """Encoder outputs that failed to load (seed 002): roll each affected request back to the smallest
+        placeholder offset among its failed items and clear their remote flag, so the retry encodes locally;
+        or end it with an error under the `fail` policy."""
+        if not invalid:
+            return set()
+        for mm_hash in invalid:
+            self.encoder_cache.forget(mm_hash)
+        affected: set[ReqId] = set()
+        for item in plan.scheduled:
+            failed = [m for m in item.mm_items if m.mm_hash in invalid]
+            request = self.requests.get(item.request_id)
+            if not failed or request is None or request.is_finished:
+                continue
+            affected.add(item.request_id)
+            if self.config.ec_load_failure_policy == "fail":
+                self._end(request, f"encoder output load failed: {invalid[failed[0].mm_hash]}")
+                continue
+            request.num_computed_tokens = min(request.num_computed_tokens, min(m.offset for m in failed))
+            for m in request.mm_items:
+                if m.mm_hash in invalid:
+                    m.remote = False
+        return affected
+
     # -- endings ----------------------------------------------------------------------------------------
     def finish_requests(self, request_ids: list[ReqId], status: RequestStatus, error: str | None = None) -> list[Request]:
         ended = []
@@ -320,6 +354,7 @@ class Scheduler:
             self.waiting.remove(request)
         self._finished_since_last_step.add(rid)
         self.finished_recving.discard(rid)
+        self.encoder_cache.release(rid)
         delay_free = False
         if self.connector is not None:
             delay_free, params = self.connector.request_finished(request, self.kv.block_ids(rid))

@@ -30,6 +30,7 @@ def add_gateway_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     p.add_argument("--prefill", nargs="+", default=None, metavar="URL")
     p.add_argument("--decode", nargs="+", default=None, metavar="URL")
     p.add_argument("--both", nargs="+", default=None, metavar="URL", help="colocated instances")
+    p.add_argument("--encode", nargs="+", default=None, metavar="URL", help="encode instances (E→P→D for images)")
     p.add_argument("--protocol", default=None, help=f"one of: {', '.join(sorted(FORWARDERS))} (default pull)")
     p.add_argument("--scheduling", choices=["batch", "staged"], default=None)
     p.add_argument("--policy", default=None, help=f"one of: {', '.join(sorted(POLICIES))} (default least_loaded)")
@@ -53,7 +54,7 @@ def load_config(args: argparse.Namespace) -> GatewayConfig:
     if args.config is not None:
         text = args.config.read_text()
         values = json.loads(text) if args.config.suffix == ".json" else tomllib.loads(text)
-    for name in ("prefill", "decode", "both", "protocol", "scheduling", "policy", "retries", "conditional",
+    for name in ("prefill", "decode", "both", "encode", "protocol", "scheduling", "policy", "retries", "conditional",
                  "min_prompt_tokens", "prefix_threshold", "tokenizer", "allow_client_kv_params"):
         value = getattr(args, name)
         if value is not None:

@@ -56,6 +56,9 @@ class GatewayMetrics:
                                    registry=r)
         self.decisions = Counter("pdserve:gateway_disagg_decisions", "Remote or local prefill, with the reason.",
                                  ["decision", "reason"], registry=r)
+        self.encode_items = Counter("pdserve:gateway_encode_items",
+                                    "Media items by outcome: encoded, cache_hit (seen before, not encoded again), "
+                                    "failed (the prefill instance encodes it).", ["outcome"], registry=r)
         r.register(_InstanceCollector(registry, lambda: protocol))
 
         self._children: dict[tuple, object] = {}  # labelled series, looked up once (labels() is not free)

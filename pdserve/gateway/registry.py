@@ -19,7 +19,7 @@ from pdserve.net.http_client import HttpClient, HttpPool, UpstreamError, Upstrea
 
 log = logging.getLogger(__name__)
 
-ROLES = ("prefill", "decode", "both")
+ROLES = ("prefill", "decode", "both", "encode")
 _LOAD_METRICS = {b"vllm:num_requests_running": "running", b"vllm:num_requests_waiting": "waiting",
                  b"vllm:kv_cache_usage_perc": "kv_usage"}
 
@@ -44,7 +44,8 @@ class Instance:
         return max(self.running, self.in_flight) + self.waiting + self.kv_usage
 
     def serves(self, role: str) -> bool:
-        return self.role == role or self.role == "both"
+        """A colocated instance can stand in for a prefill or decode one; encoding needs an encode instance."""
+        return self.role == role or (self.role == "both" and role != "encode")
 
 
 class Registry:

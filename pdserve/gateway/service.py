@@ -12,6 +12,7 @@ import msgspec
 
 from pdserve.gateway.call import Call, Deadlines, LegError, Stage
 from pdserve.gateway.conditional import ConditionalDisagg
+from pdserve.gateway.encode import EncodeFanout
 from pdserve.gateway.forwarders import make_forwarder
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.policies import NoInstanceError, make_policy
@@ -28,6 +29,7 @@ class GatewayConfig:
     prefill: list[str] = field(default_factory=list)
     decode: list[str] = field(default_factory=list)
     both: list[str] = field(default_factory=list)
+    encode: list[str] = field(default_factory=list)
     protocol: str = "pull"
     scheduling: str = "batch"
     policy: str = "least_loaded"
@@ -47,7 +49,7 @@ class Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self.forwarder = make_forwarder(config.protocol, config.scheduling)  # fails fast on a bad combination
-        self.policies = {role: make_policy(config.policy) for role in ("prefill", "decode", "both")}
+        self.policies = {role: make_policy(config.policy) for role in ("prefill", "decode", "both", "encode")}
         self.scheduling = config.scheduling
         self.deadlines = config.deadlines
         self.client = HttpClient()
@@ -57,9 +59,10 @@ class Gateway:
         self.conditional = ConditionalDisagg(self.metrics, config.conditional, config.min_prompt_tokens,
                                              config.prefix_threshold, config.tokenizer)
         self._background: set[asyncio.Task] = set()
-        for role in ("prefill", "decode", "both"):
+        for role in ("prefill", "decode", "both", "encode"):
             for url in getattr(config, role):
                 self.registry.add(url, role)
+        self.encoder = EncodeFanout(self)
 
     async def start(self) -> None:
         await self.registry.probe_all()
@@ -114,6 +117,7 @@ class Gateway:
         call = Call(self, path, body, request_id, send, stream=bool(body.get("stream")))
         outcome = "error"
         try:
+            await self.encoder.prepare(call)
             outcome = await self._attempts(call)
         except asyncio.CancelledError:
             self.metrics.cancellations.labels(call.stage.value).inc()

@@ -94,6 +94,22 @@ class WriteDone(Message, tag="write_done"):
     refusal: str = ""  # "denied": the producer never had this transfer (forged or stale parameters)
 
 
+class ECFetch(Message, tag="ec_fetch"):
+    """Ask an encode instance for one item's encoder output."""
+
+    mm_hash: str
+    token: str
+
+
+class ECData(Message, tag="ec_data"):
+    ok: bool
+    error: str = ""
+    shape: list[int] = []
+    dtype: str = ""
+    data: bytes = b""
+    checksum: int = 0
+
+
 class PrefillRequest(Message, tag="prefill_request"):
     """Decode-first mode: D asks P to prefill a prompt and hold its KV for D to pull."""
 
@@ -109,7 +125,7 @@ class PrefillReply(Message, tag="prefill_reply"):
 
 
 AnyMessage = (Handshake | HandshakeReply | ReadGrant | ReadGrantReply | ReadDone | Release | Heartbeat | Ack
-              | PushRegister | WriteDone | PrefillRequest | PrefillReply)
+              | PushRegister | WriteDone | ECFetch | ECData | PrefillRequest | PrefillReply)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyMessage)

@@ -31,11 +31,19 @@ def build_llama_family(model_dir: Path, raw: dict, dtype: torch.dtype, device: t
     return LoadedModel(cfg, LlamaForCausalLM(cfg, weights, dtype, max_positions, device))
 
 
+def build_llava(model_dir: Path, raw: dict, dtype: torch.dtype, device: torch.device,
+                max_positions: int) -> LoadedModel:
+    from pdserve.models.llava import build_llava as build  # llava imports this module (LoadedModel)
+
+    return build(model_dir, raw, dtype, device, max_positions)
+
+
 MODEL_REGISTRY: dict[str, Builder] = {
     "LlamaForCausalLM": build_llama_family,
     "MistralForCausalLM": build_llama_family,
     "Qwen2ForCausalLM": build_llama_family,
     "Qwen3ForCausalLM": build_llama_family,
+    "LlavaForConditionalGeneration": build_llava,
 }
 
 

@@ -44,7 +44,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-transfer-config", type=json.loads, default=None,
                    help='JSON like vLLM\'s: {"kv_connector": ..., "kv_role": "kv_producer"|"kv_consumer"|"kv_both", '
                         '"kv_connector_extra_config": {...}}')
-    p.add_argument("--ec-transfer-config", type=json.loads, default=None)
+    p.add_argument("--ec-transfer-config", type=json.loads, default=None,
+                   help='JSON like vLLM\'s: {"ec_connector": "ECStorageConnector"|"ECP2PConnector", "ec_role": ..., '
+                        '"ec_load_failure_policy": "recompute"|"fail", "ec_connector_extra_config": {...}}')
+    p.add_argument("--encoder-cache-size", type=int, default=None, help="embeddings of encoder outputs to keep")
+    p.add_argument("--allowed-local-media-path", type=Path, default=None,
+                   help="a directory images may be read from by path (off by default)")
+    p.add_argument("--allow-remote-media", action="store_true", help="fetch http(s) image URLs (off by default)")
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -69,7 +75,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
         seed=args.seed, num_threads=args.threads, device=args.device, role=role, kv_transfer_config=kv_config,
-        ec_transfer_config=args.ec_transfer_config or {},
+        ec_transfer_config=args.ec_transfer_config or {}, encoder_cache_size=args.encoder_cache_size,
+        allowed_local_media_path=args.allowed_local_media_path, allow_remote_media=args.allow_remote_media,
     )
 
 

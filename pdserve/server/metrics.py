@@ -59,6 +59,11 @@ class _EngineCollector:
         yield counter("vllm:num_preemptions", "Requests preempted (to be recomputed).", s.num_preemptions)
         yield counter("pdserve:prompt_tokens_computed", "Prompt tokens computed here (not prefix hits, not transferred).",
                       s.prompt_tokens_computed)
+        yield gauge("pdserve:encoder_cache_entries", "Encoder outputs kept (shared by mm_hash).", s.encoder_entries)
+        yield gauge("pdserve:encoder_cache_entries_held", "Encoder outputs some live request still needs.",
+                    s.encoder_entries_held)
+        yield counter("pdserve:encoder_cache_hits", "Media items whose encoder output was already kept.", s.encoder_hits)
+        yield counter("pdserve:encoder_cache_misses", "Media items encoded or loaded.", s.encoder_misses)
         for name, value in self.extra().items():
             kind, _, metric = name.partition(" ")
             yield counter(metric, metric, value) if kind == "counter" else gauge(metric, metric, value)

@@ -8,6 +8,7 @@ responses).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -19,7 +20,8 @@ import msgspec
 from pdserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestTimeoutError
 from pdserve.engine.llm_engine import PromptError
 from pdserve.engine.output_processor import RequestOutput
-from pdserve.engine.request import TokenLogprobs
+from pdserve.engine.request import MultiModalItem, TokenLogprobs
+from pdserve.multimodal.prompt import IMAGE_PART_TYPES, MultimodalInputError, MultimodalPrompter
 from pdserve.ids import ReqId, make_internal_request_id
 from pdserve.sampling_params import SamplingParams, SamplingParamsError
 from pdserve.server.errors import OpenAIError, bad_request, error_body
@@ -41,6 +43,7 @@ KVParamsPrepare = Callable[[dict[str, Any] | None, list[int]], Awaitable[dict[st
 class _Prompt:
     token_ids: list[int]
     text: str | None
+    mm_items: list[MultiModalItem] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -59,7 +62,8 @@ class _Sequence:
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, model_name: str, tokenizer: Tokenizer, max_model_len: int,
                  check_kv_params: KVParamsCheck | None = None, reject_kv_params: KVParamsReject | None = None,
-                 prepare_kv_params: KVParamsPrepare | None = None) -> None:
+                 prepare_kv_params: KVParamsPrepare | None = None,
+                 prompter: MultimodalPrompter | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.tokenizer = tokenizer
@@ -67,6 +71,7 @@ class OpenAIServing:
         self.check_kv_params = check_kv_params or (lambda params, n: params)
         self.reject_kv_params = reject_kv_params or (lambda params, reason: None)
         self.prepare_kv_params = prepare_kv_params
+        self.prompter = prompter  # set for multimodal models
 
     # -- entry points -----------------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, external_id: str,
@@ -98,16 +103,25 @@ class OpenAIServing:
         self._check_common(body)
         if body.echo:
             raise OpenAIError(400, "'echo' is not supported by pdserve for chat completions", "echo")
-        try:
-            token_ids = self.tokenizer.encode_chat(
-                flatten_messages(body.message_dicts()), add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message, tools=body.tools,
-                chat_template_kwargs=body.chat_template_kwargs)
-        except TokenizerError as exc:
-            raise bad_request(str(exc), "messages") from exc
-        prompt = _Prompt(token_ids, None)
+        prompt = await self._chat_prompt(body)
+        token_ids = prompt.token_ids
         params = [self._params(body, body.requested_max_tokens(), len(token_ids))]
         return await self._run("chat", body, f"chatcmpl-{external_id}", [prompt], params, headers)
+
+    async def _chat_prompt(self, body: ChatCompletionRequest) -> _Prompt:
+        messages = body.message_dicts()
+        template = {"add_generation_prompt": body.add_generation_prompt,
+                    "continue_final_message": body.continue_final_message, "tools": body.tools,
+                    "chat_template_kwargs": body.chat_template_kwargs}
+        try:
+            if self.prompter is not None and has_media(messages):
+                # Decoding and preprocessing images is real work: keep it off the event loop.
+                token_ids, items = await asyncio.to_thread(self.prompter.build, messages, body.ec_transfer_params,
+                                                           **template)
+                return _Prompt(token_ids, None, items)
+            return _Prompt(self.tokenizer.encode_chat(flatten_messages(messages), **template), None)
+        except (TokenizerError, MultimodalInputError) as exc:
+            raise bad_request(str(exc), "messages") from exc
 
     # -- validation -------------------------------------------------------------------------------------
     def _check_common(self, body: CompletionRequest | ChatCompletionRequest) -> None:
@@ -167,7 +181,8 @@ class OpenAIServing:
                 rid = make_internal_request_id(external)
                 internal_ids.append(rid)
                 sequences.append(_Sequence(i, j, len(sequences)))
-                streams.append(self._generate(external, rid, prompt.token_ids, p.for_child(j), kv_params))
+                items = [dataclasses.replace(m) for m in prompt.mm_items]  # each sample owns its items' flags
+                streams.append(self._generate(external, rid, prompt.token_ids, p.for_child(j), kv_params, items))
         if headers is not None:
             # The instance's own ids (external id + random suffix): useful in logs, never shared between P and D.
             headers["X-Pdserve-Request-Ids"] = ",".join(internal_ids)
@@ -178,12 +193,14 @@ class OpenAIServing:
         return self._response(kind, body, response_id, created, prompts, sequences)
 
     def _generate(self, external_id: str, request_id: ReqId, token_ids: list[int], params: SamplingParams,
-                  kv_params: dict[str, Any] | None) -> AsyncIterator[RequestOutput]:
+                  kv_params: dict[str, Any] | None, mm_items: list[MultiModalItem] | None = None
+                  ) -> AsyncIterator[RequestOutput]:
         try:
             self.engine.validate(token_ids, params)
         except (PromptError, SamplingParamsError) as exc:
             raise bad_request(str(exc)) from exc
-        return self.engine.generate(external_id, token_ids, params, kv_transfer_params=kv_params, request_id=request_id)
+        return self.engine.generate(external_id, token_ids, params, kv_transfer_params=kv_params,
+                                    mm_items=mm_items or None, request_id=request_id)
 
     async def _collect(self, sequences: list[_Sequence], streams: list[AsyncIterator[RequestOutput]]) -> None:
         async for index, out in merge(streams):
@@ -303,6 +320,11 @@ class OpenAIServing:
 
 
 # -- helpers ----------------------------------------------------------------------------------------------
+def has_media(messages: list[dict[str, Any]]) -> bool:
+    return any(isinstance(m.get("content"), list) and any(p.get("type") in IMAGE_PART_TYPES for p in m["content"])
+               for m in messages)
+
+
 def flatten_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Text-only content parts become one string, which every chat template understands."""
     out = []
