@@ -673,80 +673,97 @@ def print_tree(timers: Timers, steps: int, step_ms: float) -> dict[str, float]:
 
 def profile_one(preset: str, model_dir: Path, dtype: str, hw: Hardware, wl: Workload, args: argparse.Namespace
                 ) -> dict[str, Any]:
+    """Three phases of pdserve alone: the offline prefill (all prompts), a batch-64 decode step, a batch-1 one."""
     from torch.profiler import ProfilerActivity, profile
 
     threads = args.threads
     shape = ModelShape.from_model_dir(model_dir)
     elem = 2 if dtype == "bfloat16" else 4
     offline_prompts, latency_prompts = make_prompts(wl)
-    llm = make_pdserve(model_dir, dtype, args.mnbt_list[0], wl, threads)
+    mnbt = args.mnbt_list[0]
+    llm = make_pdserve(model_dir, dtype, mnbt, wl, threads)
     engine = llm.engine
     n = args.profile_steps
-    out: dict[str, Any] = dict(preset=preset, dtype=dtype, threads=threads, scenarios={})
-    scenarios = [(f"batch {len(offline_prompts)} decode (prompt {wl.prompt_len})", offline_prompts),
-                 (f"batch 1 decode (prompt {wl.lat_prompt_len})", latency_prompts[:1])]
-    for title, prompts in scenarios:
+    ids = iter(range(1 << 30))
+    out: dict[str, Any] = dict(preset=preset, dtype=dtype, threads=threads, mnbt=mnbt, scenarios={})
+    scenarios = [("prefill", f"prefill of {len(offline_prompts)} x {wl.prompt_len} (mnbt {mnbt})", offline_prompts),
+                 ("decode", f"batch {len(offline_prompts)} decode step (prompt {wl.prompt_len})", offline_prompts),
+                 ("decode", f"batch 1 decode step (prompt {wl.lat_prompt_len})", latency_prompts[:1])]
+    for kind, title, prompts in scenarios:
         torch.set_num_threads(threads)
-        batch = len(prompts)
-        warm, plain, prof_steps = 3, n, max(3, n // 2)
-        total_new = 1 + warm + plain + n + prof_steps + 1
         meter = common.CpuMeter()
         if args.wait_idle > 0:
             meter.wait_for_quiet(args.wait_idle)
         meter.mark()
-        for i, p in enumerate(prompts):
-            engine.add_request(f"prof-{i}", p, greedy(total_new))
-        started: set[Any] = set()
-        while len(started) < batch:  # prefill
-            started.update(o.request_id for o in engine.step() if o.new_token_ids)
+        if kind == "prefill":
+            def unit() -> None:  # the whole prefill of every prompt (one step when they fit in mnbt)
+                for p in prompts:
+                    engine.add_request(f"prof-{next(ids)}", p, greedy(1))
+                while engine.has_unfinished_requests():
+                    engine.step()
+            warm, plain, instr, prof_units = 1, 2, 1, 1
+            tokens, rows, unit_name = len(prompts) * len(prompts[0]), len(prompts), "prefill"
+            context = len(prompts[0])
+        else:
+            warm, plain, instr, prof_units = 3, n, n, max(3, n // 2)
+            for p in prompts:
+                engine.add_request(f"prof-{next(ids)}", p, greedy(2 + warm + plain + instr + prof_units))
+            started: set[Any] = set()
+            while len(started) < len(prompts):  # prefill
+                started.update(o.request_id for o in engine.step() if o.new_token_ids)
+            unit = engine.step
+            tokens = rows = len(prompts)
+            unit_name = "step"
+            context = len(prompts[0]) + warm + plain + instr // 2
         for _ in range(warm):
-            engine.step()
+            unit()
         times = []
         for _ in range(plain):
             t0 = time.perf_counter()
-            engine.step()
+            unit()
             times.append(time.perf_counter() - t0)
-        step_ms = median(times) * 1e3
         timers = Timers()
         instrument(engine, timers)
         t0 = time.perf_counter()
-        for _ in range(n):
-            engine.step()
-        instrumented_ms = (time.perf_counter() - t0) / n * 1e3
+        for _ in range(instr):
+            unit()
+        instrumented_ms = (time.perf_counter() - t0) / instr * 1e3
         timers.undo()
-        context = (wl.prompt_len if batch > 1 else wl.lat_prompt_len) + warm + plain + n // 2
-        log(f"\n--- profile {preset} {dtype} {threads} thr: {title}, context ~{context}: step {step_ms:.2f} ms "
-            f"(median of {plain}; {instrumented_ms:.2f} ms with the {sum(timers.calls.values()) // n} wrappers/step)")
-        per_step = print_tree(timers, n, instrumented_ms)
-        lin_ms = sum(per_step.get(k, 0.0) for k in ("linear qkv", "linear o_proj", "linear gate_up", "linear down"))
-        lin_flops = 2 * shape.linear_params * batch
-        head_ms = per_step.get("lm_head (compute_logits)", 0.0)
+        log(f"\n--- profile {preset} {dtype} {threads} thr: {title}, context ~{context}: {unit_name} "
+            f"{median(times) * 1e3:.2f} ms (median of {plain}, min {min(times) * 1e3:.2f}); {instrumented_ms:.2f} ms "
+            f"with {sum(timers.calls.values()) // instr} timing wrappers per {unit_name}")
+        per_unit = print_tree(timers, instr, instrumented_ms)
+        lin_ms = sum(per_unit.get(k, 0.0) for k in ("linear qkv", "linear o_proj", "linear gate_up", "linear down"))
+        head_ms = per_unit.get("lm_head (compute_logits)", 0.0)
         if lin_ms > 0:
-            log(f"    layer linears: {lin_flops / lin_ms / 1e6:.0f} GFLOP/s, {shape.linear_params * elem / lin_ms / 1e6:.1f} GB/s "
-                f"of weights (machine: {hw.peak_flops(getattr(torch, dtype)) / 1e9:.0f} GFLOP/s peak, "
-                f"{hw.copy_GBps_best:.1f} GB/s)")
+            log(f"    layer linears: {2 * shape.linear_params * tokens / lin_ms / 1e6:.0f} GFLOP/s, "
+                f"{shape.linear_params * elem / lin_ms / 1e6:.1f} GB/s of weights (machine: "
+                f"{hw.peak_flops(getattr(torch, dtype)) / 1e9:.0f} GFLOP/s, {hw.copy_GBps_best:.1f} GB/s)")
         if head_ms > 0:
-            log(f"    lm_head: {2 * shape.lm_head_params * batch / head_ms / 1e6:.0f} GFLOP/s, "
+            log(f"    lm_head: {2 * shape.lm_head_params * rows / head_ms / 1e6:.0f} GFLOP/s, "
                 f"{shape.lm_head_params * elem / head_ms / 1e6:.1f} GB/s of weights")
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for _ in range(prof_steps):
-                engine.step()
+            for _ in range(prof_units):
+                unit()
         events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
         total_self = sum(e.self_cpu_time_total for e in events) or 1.0
-        log(f"    torch.profiler, {prof_steps} steps, top ops by self CPU time (ms per step):")
+        log(f"    torch.profiler over {prof_units} {unit_name}(s): top ops by self CPU time, per {unit_name}")
         top = []
         for e in events[:14]:
-            ms = e.self_cpu_time_total / 1e3 / prof_steps
-            top.append(dict(op=e.key, self_ms_per_step=ms, share=e.self_cpu_time_total / total_self,
-                            calls_per_step=e.count / prof_steps))
-            log(f"      {e.key[:52]:<52} {ms:8.2f} ms {100 * e.self_cpu_time_total / total_self:5.1f}%  "
-                f"{e.count / prof_steps:6.0f} calls/step")
+            ms = e.self_cpu_time_total / 1e3 / prof_units
+            top.append(dict(op=e.key, self_ms=ms, share=e.self_cpu_time_total / total_self,
+                            calls=e.count / prof_units))
+            log(f"      {e.key[:52]:<52} {ms:9.2f} ms {100 * e.self_cpu_time_total / total_self:5.1f}%  "
+                f"{e.count / prof_units:6.0f} calls")
         while engine.has_unfinished_requests():
             engine.step()
         busy = meter.since_mark()
-        log(f"    (other processes used {busy['others']:.2f} cores meanwhile{'; SUSPECT' if busy['others'] >= BUSY_CORES else ''})")
-        out["scenarios"][title] = dict(others=busy["others"], step_ms=step_ms, instrumented_step_ms=instrumented_ms, breakdown_ms=per_step,
-                                       calls_per_step={k: v / n for k, v in timers.calls.items()}, top_ops=top)
+        log(f"    (other processes used {busy['others']:.2f} cores meanwhile"
+            f"{'; SUSPECT' if busy['others'] >= BUSY_CORES else ''})")
+        out["scenarios"][title] = dict(
+            others=busy["others"], unit=unit_name, ms_median=median(times) * 1e3, ms_min=min(times) * 1e3,
+            instrumented_ms=instrumented_ms, breakdown_ms=per_unit,
+            calls={k: v / instr for k, v in timers.calls.items()}, top_ops=top)
     del llm, engine
     gc.collect()
     return out

@@ -148,6 +148,23 @@ class Workload:
         self.decode_text = decode_text
         self.pool = PromptPool()
         self.count = 0
+        self.probe_urls: dict[str, str] = {}  # instances asked directly after a wrong answer (P, D)
+        self.history: dict[tuple, list[dict[str, Any]]] = {}  # earlier requests per prompt, for wrong answers
+        self.t0 = time.monotonic()
+
+    def remember(self, res: Result) -> list[dict[str, Any]]:
+        """Record a finished request under its prompt; returns the prompt's earlier requests."""
+        spec = res.spec
+        entry = {"request_id": spec.request_id, "protocol": spec.protocol, "stream": spec.stream,
+                 "max_tokens": spec.max_tokens, "abort": spec.abort, "outcome": res.outcome,
+                 "t_end": round(res.end - self.t0, 2), "latency_s": round(res.latency, 3)}
+        with self.pool.lock:
+            earlier = self.history.setdefault(spec.ref_key, [])
+            before = list(earlier)
+            earlier.append(entry)
+            if len(earlier) > 30:
+                del earlier[0]
+        return before
 
     def _new_ids(self, rng: random.Random) -> list[int]:
         n = rng.randint(5, 30) if rng.random() < 0.6 else rng.randint(100, 400)
@@ -285,6 +302,7 @@ class Result:
     text: str = ""
     finish_reason: str = ""
     ids_missing: int = 0  # streams: token ids the stream left out (text complete)
+    diagnosis: dict[str, Any] = field(default_factory=dict)  # wrong answers: direct answers of P and D, history
     end: float = 0.0  # time.monotonic() when it ended
 
 
@@ -456,6 +474,7 @@ class Stats:
         self.by_shape: Counter[str] = Counter()
         self.clean_errors: Counter[str] = Counter()
         self.problems: list[dict[str, Any]] = []  # wrong, unclean, timeout, near-tie details
+        self.timeline: list[tuple] = []  # every request: id, protocol, kind, stream, abort, outcome, start, end
         self.latencies: list[float] = []
         self.clean_error_examples: list[str] = []
         self.stream_ids_missing = 0  # streams whose text was right but that left out some token ids
@@ -467,6 +486,10 @@ class Stats:
         spec = res.spec
         with self.lock:
             self.outcomes[res.outcome] += 1
+            if len(self.timeline) < 50_000:
+                self.timeline.append((spec.request_id, spec.protocol, spec.kind, spec.stream, spec.abort,
+                                      res.outcome, spec.prompt_len, spec.max_tokens,
+                                      round(res.end - res.latency, 3), round(res.end, 3)))
             if res.end <= self.window_end:
                 self.in_window[res.outcome] += 1
             if res.ids_missing:
@@ -485,7 +508,7 @@ class Stats:
                                       "kind": spec.kind, "stream": spec.stream, "max_tokens": spec.max_tokens,
                                       "prompt_len": spec.prompt_len, "abort": spec.abort,
                                       "prompt": list(spec.prompt) if spec.kind == "completion" else spec.prompt,
-                                      "latency_s": round(res.latency, 3)})
+                                      "latency_s": round(res.latency, 3), "diagnosis": res.diagnosis})
             if res.outcome == "completed":
                 self.latencies.append(res.latency)
 
@@ -516,7 +539,36 @@ def client_loop(index: int, args: argparse.Namespace, workload: Workload, gatewa
                     res.outcome, res.detail = "no_reference", "the colocated instance gave no answer"
                 else:
                     check(res, ref, args.near_tie)
+                    if res.outcome == "wrong":
+                        res.diagnosis = diagnose(client, workload, gateways, spec, ref)
+            earlier = workload.remember(res)
+            if res.outcome == "wrong":
+                res.diagnosis["earlier_requests_with_this_prompt"] = earlier
             stats.add(res)
+
+
+def diagnose(client: httpx.Client, workload: Workload, gateways: dict[str, str], spec: Spec, ref: Reference
+             ) -> dict[str, Any]:
+    """After a wrong answer: the same prompt (plain, max_tokens 32) asked directly of P and D, and again through
+    the same gateway, each compared with C's answer, to tell which instance's state is bad."""
+    out: dict[str, Any] = {"reference_token_ids": ref.token_ids}
+    path, body = request_body(spec.kind, spec.prompt, REF_MAX_TOKENS, False)
+    targets = {**workload.probe_urls, f"gateway-{spec.protocol}-again": gateways[spec.protocol]}
+    for name, url in targets.items():
+        try:
+            r = client.post(url + path, json=body, timeout=60)
+            if r.status_code != 200:
+                out[name] = f"HTTP {r.status_code}: {r.text[:200]}"
+                continue
+            choice = r.json()["choices"][0]
+            ids = choice["token_ids"]
+            cached = ((r.json().get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+            out[name] = {"agrees": ids == ref.token_ids, "cached_tokens": cached,
+                         "first_difference": next((k for k, (a, b) in enumerate(zip(ids, ref.token_ids)) if a != b),
+                                                  None), "token_ids": ids}
+        except httpx.HTTPError as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
+    return out
 
 
 def run_load(args: argparse.Namespace, workload: Workload, gateways: dict[str, str], refs: References,
@@ -756,6 +808,7 @@ def _run(args: argparse.Namespace, protocols: list[str], procs: dict[str, Proces
           flush=True)
 
     workload = Workload(args, protocols, decode_text)
+    workload.probe_urls = {"P-direct": procs["P"].url, "D-direct": procs["D"].url}
     refs = References(procs["C"].url, args.request_timeout)
 
     # Warm-up: every gateway, both endpoints, before the first RSS sample.
@@ -791,10 +844,15 @@ def _run(args: argparse.Namespace, protocols: list[str], procs: dict[str, Proces
         s0, s1 = rss_start.get(name, {}), rss_end.get(name, {})
         samples = [v for _, v in sampler.samples.get(name, [])]
         r0, r1 = s0.get("VmRSS"), s1.get("VmRSS")
+        series = sampler.samples.get(name, [])
+        # The sample nearest the middle of the load: growth after it says more about a leak than warm-up does.
+        mid = min(series, key=lambda tv: abs(tv[0] - args.duration / 2))[1] if series else None
         memory[name] = {
             "rss_start_mib": r0, "rss_end_mib": r1, "rss_peak_mib": max(samples) if samples else None,
             "growth_mib": (r1 - r0) if r0 is not None and r1 is not None else None,
             "growth_pct": (100.0 * (r1 - r0) / r0) if r0 and r1 is not None else None,
+            "rss_mid_mib": mid,
+            "growth_second_half_mib": (r1 - mid) if mid is not None and r1 is not None else None,
             "anon_start_mib": s0.get("RssAnon"), "anon_end_mib": s1.get("RssAnon"),
             "shmem_start_mib": s0.get("RssShmem"), "shmem_end_mib": s1.get("RssShmem"),
             "samples": [(round(t, 1), round(v, 1)) for t, v in sampler.samples.get(name, [])],
@@ -805,6 +863,10 @@ def _run(args: argparse.Namespace, protocols: list[str], procs: dict[str, Proces
     failures = []
     if o["wrong"]:
         failures.append(f"{o['wrong']} wrong answers")
+    wo = warm.outcomes
+    for bad in ("wrong", "unclean", "timeout", "no_reference"):
+        if wo[bad]:
+            failures.append(f"{wo[bad]} {bad} during warm-up")
     if held_any:
         failures.append("state left held after the drain deadline")
     if dead:
@@ -831,6 +893,7 @@ def _run(args: argparse.Namespace, protocols: list[str], procs: dict[str, Proces
         "timeouts": o["timeout"],
         "no_reference": o["no_reference"],
         "outcomes": dict(o),
+        "warmup_outcomes": dict(wo),
         "by_protocol": {p: dict(c) for p, c in stats.by_protocol.items()},
         "by_shape": dict(stats.by_shape),
         "clean_error_kinds": dict(stats.clean_errors.most_common(20)),
@@ -848,7 +911,10 @@ def _run(args: argparse.Namespace, protocols: list[str], procs: dict[str, Proces
                               for n in counters_end},
         "gateway_counters": gw_counters,
         "dead_processes": dead,
-        "problems": stats.problems,
+        "problems": [{**p, "phase": "warm-up"} for p in warm.problems] + stats.problems,
+        "timeline_fields": ["request_id", "protocol", "kind", "stream", "abort", "outcome", "prompt_len",
+                            "max_tokens", "start_monotonic", "end_monotonic"],
+        "timeline": warm.timeline + stats.timeline,
         "failures": failures,
         "ok": not failures,
     }
@@ -868,6 +934,8 @@ def print_summary(s: dict[str, Any]) -> None:
     print(f"requests {s['requests']} ({s['requests_per_s']:.2f}/s in the window): completed {s['completed']} "
           f"({s['completed_per_s']:.2f}/s), clean errors {s['clean_errors']}, wrong {s['wrong']}, "
           f"aborted {s['aborted']}, near ties {s['near_ties']}, unclean {s['unclean']}, timeouts {s['timeouts']}")
+    print(f"  warm-up ({s['config']['warmup']} requests, not in the figures above): "
+          + ", ".join(f"{k} {v}" for k, v in sorted(s["warmup_outcomes"].items())))
     if s["stream_ids_missing"]["requests"]:
         print(f"  streams with the right text but token ids left out (pdserve stream bug): "
               f"{s['stream_ids_missing']['requests']} requests, {s['stream_ids_missing']['tokens']} ids")
@@ -891,7 +959,8 @@ def print_summary(s: dict[str, Any]) -> None:
             print(f"  {name:16s} gone")
             continue
         print(f"  {name:16s} {m['rss_start_mib']:8.1f} -> {m['rss_end_mib']:8.1f} (peak {m['rss_peak_mib']:.1f}); "
-              f"{m['growth_mib']:+.1f} MiB ({m['growth_pct']:+.1f} %)  [anon {m['anon_start_mib']:.1f} -> "
+              f"{m['growth_mib']:+.1f} MiB ({m['growth_pct']:+.1f} %), second half {m['growth_second_half_mib']:+.1f}"
+              f"  [anon {m['anon_start_mib']:.1f} -> "
               f"{m['anon_end_mib']:.1f}, shmem {m['shmem_start_mib']:.1f} -> {m['shmem_end_mib']:.1f}]")
     print("instance counters over the load:")
     for name, c in s["instance_counters"].items():
@@ -905,7 +974,15 @@ def print_summary(s: dict[str, Any]) -> None:
     for problem in s["problems"][:20]:
         print(f"PROBLEM {problem['outcome']} {problem['request_id']}: {problem['protocol']} {problem['kind']} "
               f"{'stream' if problem['stream'] else 'plain'} max_tokens={problem['max_tokens']} "
-              f"prompt_len={problem['prompt_len']}: {problem['detail']}")
+              f"prompt_len={problem['prompt_len']}: {problem['detail'][:400]}")
+        diag = problem.get("diagnosis") or {}
+        probes = {k: (v.get("agrees"), v.get("cached_tokens")) if isinstance(v, dict) else v
+                  for k, v in diag.items() if k not in ("reference_token_ids", "earlier_requests_with_this_prompt")}
+        if probes:
+            earlier = diag.get("earlier_requests_with_this_prompt") or []
+            print(f"    asked again (agrees with C, cached tokens): {probes}; {len(earlier)} earlier requests with "
+                  f"this prompt: " + ", ".join(f"{e['request_id']} {e['protocol']} {e['outcome']}"
+                                               f"{' abort=' + e['abort'] if e['abort'] else ''}" for e in earlier[-6:]))
     print("RESULT: " + ("OK" if s["ok"] else "FAIL: " + "; ".join(s["failures"])), flush=True)
 
 

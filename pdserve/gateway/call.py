@@ -10,7 +10,6 @@ instance) and, if P holds KV for a decode that will not happen, frees it at once
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import logging
 import time

@@ -12,13 +12,11 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-import uvicorn
-
 from pdserve.gateway.call import Deadlines
 from pdserve.gateway.forwarders import FORWARDERS
 from pdserve.gateway.policies import POLICIES
 from pdserve.gateway.service import Gateway, GatewayConfig
-from pdserve.server.launch import KEEP_ALIVE_S, announce_ready, bind_socket, freeze_startup_objects
+from pdserve.server.launch import bind_socket, freeze_startup_objects, serve_announced
 
 _DEADLINE_FLAGS = {"connect_timeout": "connect_s", "prefill_timeout": "prefill_s",
                    "first_token_timeout": "first_token_s", "idle_timeout": "idle_s"}
@@ -95,19 +93,8 @@ async def _serve(gateway: Gateway, sock: Any, log_level: str) -> None:
 
     await gateway.start()
     freeze_startup_objects()
-    server = uvicorn.Server(uvicorn.Config(build_app(gateway), log_level=log_level.lower(), access_log=False,
-                                           lifespan="off", timeout_keep_alive=KEEP_ALIVE_S, http="httptools"))
-
-    async def ready_when_started() -> None:
-        while not server.started and not server.should_exit:
-            await asyncio.sleep(0.01)
-        if server.started:
-            announce_ready(host=sock.getsockname()[0], port=sock.getsockname()[1], role="gateway",
-                           protocol=gateway.config.protocol, scheduling=gateway.config.scheduling)
-
-    announcer = asyncio.create_task(ready_when_started())
     try:
-        await server.serve(sockets=[sock])
+        await serve_announced(build_app(gateway), sock, log_level, {
+            "role": "gateway", "protocol": gateway.config.protocol, "scheduling": gateway.config.scheduling})
     finally:
-        announcer.cancel()
         await gateway.stop()

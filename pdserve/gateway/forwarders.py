@@ -44,6 +44,14 @@ def with_kv_params(body: dict[str, Any], params: dict[str, Any]) -> dict[str, An
     return {**body, "kv_transfer_params": params}
 
 
+async def served_by_decode_alone(call: Call, decode: Instance) -> bool:
+    """Conditional disaggregation: when a remote prefill does not pay, D prefills itself (and this answers)."""
+    if call.gateway.conditional.use_remote_prefill(call, decode):
+        return False
+    await call.relay("decode", decode, call.body)
+    return True
+
+
 class Colocated(Forwarder):
     name = "colocated"
     dispatch = "single"
@@ -66,8 +74,7 @@ class Pull(Forwarder):
         gw = call.gateway
         staged = gw.scheduling == "staged"
         decode = None if staged else call.pick("decode")
-        if decode is not None and not gw.conditional.use_remote_prefill(call, decode):
-            await call.relay("decode", decode, call.body)
+        if decode is not None and await served_by_decode_alone(call, decode):
             return
         prefill = call.pick("prefill")
         call.stage = Stage.PREFILL_SENT
@@ -100,10 +107,8 @@ class DecodeFirst(Forwarder):
     roles = ("prefill", "decode")
 
     async def run(self, call: Call) -> None:
-        gw = call.gateway
         decode = call.pick("decode")
-        if not gw.conditional.use_remote_prefill(call, decode):
-            await call.relay("decode", decode, call.body)
+        if await served_by_decode_alone(call, decode):
             return
         prefill = call.pick("prefill")
         params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_prefill_url": prefill.url,
@@ -128,8 +133,7 @@ class Push(Forwarder):
     async def run(self, call: Call) -> None:
         gw = call.gateway
         decode = call.pick("decode")
-        if not gw.conditional.use_remote_prefill(call, decode):
-            await call.relay("decode", decode, call.body)
+        if await served_by_decode_alone(call, decode):
             return
         prefill = call.pick("prefill")
         info = prefill.meta.get("kv") or {}

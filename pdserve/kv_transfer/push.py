@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pdserve.engine.kv_cache_manager import cdiv
 from pdserve.ids import ReqId, TransferId

@@ -116,19 +116,25 @@ def run_serve(args: argparse.Namespace) -> int:
 async def serve_app(instance, sock: socket.socket, log_level: str = "info") -> None:
     app = await instance.start(advertised_host=sock.getsockname()[0])
     freeze_startup_objects()
-    config = uvicorn.Config(app, log_level=log_level.lower(), access_log=False, lifespan="off",
-                            timeout_keep_alive=KEEP_ALIVE_S, loop="asyncio", http="httptools")
-    server = uvicorn.Server(config)
+    try:
+        await serve_announced(app, sock, log_level, instance.ready_fields())
+    finally:
+        await instance.stop()
+
+
+async def serve_announced(app: object, sock: socket.socket, log_level: str, fields: dict[str, object]) -> None:
+    """Serve `app` on `sock` with uvicorn (httptools), and print the ready line once it accepts connections."""
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level.lower(), access_log=False, lifespan="off",
+                                           timeout_keep_alive=KEEP_ALIVE_S, http="httptools"))
 
     async def ready_when_started() -> None:
         while not server.started and not server.should_exit:
             await asyncio.sleep(0.01)
         if server.started:
-            announce_ready(host=sock.getsockname()[0], port=sock.getsockname()[1], **instance.ready_fields())
+            announce_ready(host=sock.getsockname()[0], port=sock.getsockname()[1], **fields)
 
     announcer = asyncio.create_task(ready_when_started())
     try:
         await server.serve(sockets=[sock])
     finally:
         announcer.cancel()
-        await instance.stop()

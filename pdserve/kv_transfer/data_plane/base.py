@@ -8,6 +8,8 @@ a block.
 
 from __future__ import annotations
 
+import socket
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
@@ -65,6 +67,19 @@ class DataPlane(ABC):
     @abstractmethod
     def connect(self, info: dict[str, Any]) -> PeerChannel:
         """A channel to the peer described by its handshake `info`."""
+
+
+def accept_until_stopped(listener: socket.socket, stopping: threading.Event,
+                         handle: Callable[[socket.socket], None]) -> None:
+    """Accept connections (the listener has a short timeout, so `stopping` is noticed) and hand each over."""
+    while not stopping.is_set():
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            continue
+        except OSError:
+            return
+        handle(conn)
 
 
 def block_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:

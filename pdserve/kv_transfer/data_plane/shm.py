@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from pdserve.kv_transfer.data_plane.base import DataPlane, DataPlaneError, PeerChannel, block_runs, check_block_ids
+from pdserve.kv_transfer.data_plane.base import (DataPlane, DataPlaneError, PeerChannel, accept_until_stopped,
+                                                 block_runs, check_block_ids)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -108,20 +109,16 @@ class ShmDataPlane(DataPlane):
         self._thread.start()
 
     def _serve_fd(self) -> None:
-        while not self._stopping.is_set():
+        accept_until_stopped(self._listener, self._stopping, self._hand_over)
+
+    def _hand_over(self, conn: socket.socket) -> None:
+        with conn:
+            if not _same_user(conn):
+                return  # the abstract socket is reachable by every local user; the KV is only for ours
             try:
-                conn, _ = self._listener.accept()
-            except TimeoutError:
-                continue
+                socket.send_fds(conn, [b"kv"], [self.fd])
             except OSError:
-                return
-            with conn:
-                if not _same_user(conn):
-                    continue  # the abstract socket is reachable by every local user; the KV is only for ours
-                try:
-                    socket.send_fds(conn, [b"kv"], [self.fd])
-                except OSError:
-                    pass
+                pass
 
     def stop(self) -> None:
         self._stopping.set()

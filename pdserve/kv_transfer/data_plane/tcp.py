@@ -15,8 +15,8 @@ from typing import Any
 import msgspec
 import torch
 
-from pdserve.kv_transfer.data_plane.base import (DataPlane, DataPlaneError, PeerChannel, block_runs, byte_view,
-                                                 check_block_ids)
+from pdserve.kv_transfer.data_plane.base import (DataPlane, DataPlaneError, PeerChannel, accept_until_stopped,
+                                                 block_runs, byte_view, check_block_ids)
 
 _LEN = struct.Struct("!I")
 _MAX_HEADER = 1 << 20
@@ -174,15 +174,11 @@ class TcpDataPlane(DataPlane):
         self._threads.append(thread)
 
     def _accept_loop(self) -> None:
-        while not self._stopping.is_set():
-            try:
-                conn, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve, args=(conn,), name="pdserve-tcp-conn", daemon=True).start()
+        accept_until_stopped(self._listener, self._stopping, self._spawn_server)
+
+    def _spawn_server(self, conn: socket.socket) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        threading.Thread(target=self._serve, args=(conn,), name="pdserve-tcp-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         conn.settimeout(None)
