@@ -114,6 +114,11 @@ class Spec:
     abort: str | None  # None | "first_chunk" | "delay"
     abort_delay: float
     request_id: str = ""
+    first_block: tuple[int, ...] = ()  # the first 16 drawn ids: requests that share it share a cached block
+
+    @property
+    def prefix_key(self) -> tuple:
+        return (self.kind, self.first_block)
 
     @property
     def ref_key(self) -> tuple:
@@ -136,9 +141,14 @@ class PromptPool:
                 del pool[0]
 
     def pick(self, kind: str, rng: random.Random) -> list[int] | None:
+        """Mostly a recent prompt (its blocks are likely still in the instances' prefix caches, so a bad cached
+        block gets read back while it lives), sometimes any earlier one."""
         with self.lock:
             pool = self.ids[kind]
-            return list(rng.choice(pool)) if pool else None
+            if not pool:
+                return None
+            recent = pool[-16:] if rng.random() < 0.7 else pool
+            return list(rng.choice(recent))
 
 
 class Workload:
@@ -150,6 +160,7 @@ class Workload:
         self.count = 0
         self.probe_urls: dict[str, str] = {}  # instances asked directly after a wrong answer (P, D)
         self.history: dict[tuple, list[dict[str, Any]]] = {}  # earlier requests per prompt, for wrong answers
+        self.prefix_history: dict[tuple, list[dict[str, Any]]] = {}  # the same, per first block of drawn ids
         self.t0 = time.monotonic()
 
     def remember(self, res: Result) -> list[dict[str, Any]]:
@@ -157,14 +168,22 @@ class Workload:
         spec = res.spec
         entry = {"request_id": spec.request_id, "protocol": spec.protocol, "stream": spec.stream,
                  "max_tokens": spec.max_tokens, "abort": spec.abort, "outcome": res.outcome,
-                 "t_end": round(res.end - self.t0, 2), "latency_s": round(res.latency, 3)}
+                 "t_end": round(res.end - self.t0, 2), "latency_s": round(res.latency, 3),
+                 "prompt_len": spec.prompt_len, "same_prompt": True}
         with self.pool.lock:
             earlier = self.history.setdefault(spec.ref_key, [])
             before = list(earlier)
             earlier.append(entry)
             if len(earlier) > 30:
                 del earlier[0]
-        return before
+            if spec.first_block:
+                shared = self.prefix_history.setdefault(spec.prefix_key, [])
+                ids = {e["request_id"] for e in before}
+                before += [{**e, "same_prompt": False} for e in shared if e["request_id"] not in ids]
+                shared.append(entry)
+                if len(shared) > 30:
+                    del shared[0]
+        return sorted(before, key=lambda e: e["t_end"])
 
     def _new_ids(self, rng: random.Random) -> list[int]:
         n = rng.randint(5, 30) if rng.random() < 0.6 else rng.randint(100, 400)
@@ -194,7 +213,8 @@ class Workload:
             request_id = f"soak-{self.count}"
         return Spec(protocol=rng.choice(self.protocols), kind=kind, prompt=prompt, prompt_len=len(ids),
                     stream=stream, max_tokens=rng.randint(4, 32), include_usage=stream and rng.random() < 0.5,
-                    abort=abort, abort_delay=rng.uniform(0.02, 2.0), request_id=request_id)
+                    abort=abort, abort_delay=rng.uniform(0.02, 2.0), request_id=request_id,
+                    first_block=tuple(ids[:16]) if len(ids) >= 16 else ())
 
 
 def request_body(kind: str, prompt: tuple[int, ...] | str, max_tokens: int, stream: bool) -> tuple[str, dict]:

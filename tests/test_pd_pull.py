@@ -144,3 +144,30 @@ def test_malformed_params_get_400_not_a_hang(client, cluster):
         r = client.post(cluster["D"].url + "/v1/completions", json={**base, "kv_transfer_params": params})
         assert r.status_code == 400, (params, r.text)
         assert r.json()["error"]["param"] == "kv_transfer_params" or r.json()["error"]["code"] == 400
+
+
+def test_tcp_channel_moves_blocks_in_any_order(tmp_path):
+    """Whatever order the ids come in (descending, scattered), each remote block lands in its paired local block."""
+    import torch
+
+    from pdserve.kv_transfer.data_plane.tcp import TcpDataPlane
+
+    shape = (32, 2, 2, 2, 4, 8)
+    owner, reader = TcpDataPlane(), TcpDataPlane()
+    pool = owner.allocate(shape, torch.float32)
+    pool.copy_(torch.arange(pool.numel(), dtype=torch.float32).view(shape))
+    local = reader.allocate(shape, torch.float32)
+    owner.start(lambda op, key, token, ids: None)
+    channel = reader.connect(owner.local_info())
+    try:
+        remote_ids, local_ids = [9, 8, 7, 20, 3], [30, 2, 11, 12, 0]
+        channel.read_blocks("k", "t", remote_ids, local_ids)
+        for r, b in zip(remote_ids, local_ids):
+            assert torch.equal(local[b], pool[r])
+        local.zero_()
+        channel.write_blocks("k", "t", local_ids, remote_ids, layer=None)  # and back, into the owner's pool
+        for r in remote_ids:
+            assert torch.equal(pool[r], torch.zeros_like(pool[r]))
+    finally:
+        channel.close()
+        owner.stop()

@@ -151,8 +151,8 @@ class AsyncEngine:
             self._drain_commands()
             if self.engine.has_work():
                 self._step()
-                if self.engine.last_step_tokens == 0:
-                    # Nothing ran: spinning would only starve the transfer threads of the GIL.
+                if not self.engine.has_ready_work():
+                    # Nothing to compute: spinning would only starve the transfer threads of the GIL.
                     self._wait(_IDLE_POLL_S)
             else:
                 self._wait(_NO_WORK_POLL_S)

@@ -144,6 +144,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def has_ready_work(self) -> bool:
+        """Whether the next step can compute something now (e.g. a request whose KV just arrived)."""
+        return self.last_step_tokens > 0 or bool(self.scheduler.finished_recving)
+
     def has_work(self) -> bool:
         worker = self.runner.connector
         return self.scheduler.has_work() or (worker is not None and worker.has_pending_work())

@@ -16,7 +16,7 @@ import msgspec
 import torch
 
 from pdserve.kv_transfer.data_plane.base import (DataPlane, DataPlaneError, PeerChannel, accept_until_stopped,
-                                                 block_runs, byte_view, check_block_ids)
+                                                 byte_view, check_block_ids)
 
 _LEN = struct.Struct("!I")
 _MAX_HEADER = 1 << 20
@@ -61,10 +61,12 @@ class _Pool:
         self.layer_bytes = self.block_bytes // self.num_layers
 
     def spans(self, block_ids: list[int], layer: int | None) -> list[memoryview]:
+        """Byte views of the blocks (or of one layer of each) in exactly the order named; bytes on the wire
+        follow that order, so adjacent ascending ids merge into one view but nothing is reordered."""
         check_block_ids(block_ids, self.num_blocks)
         if layer is None:
             views = []
-            for start, _, n in block_runs(block_ids, block_ids):
+            for start, n in _ordered_runs(block_ids):
                 views.append(self.bytes[start * self.block_bytes:(start + n) * self.block_bytes])
             return views
         if not 0 <= layer < self.num_layers:
@@ -114,18 +116,18 @@ class TcpPeer(PeerChannel):
         return reply
 
     def read_blocks(self, key: str, token: str, remote_ids: list[int], local_ids: list[int]) -> int:
-        targets = self.local.spans(local_ids, None) if _is_one_run(local_ids) else None
-        if targets is None:  # destinations follow the order of remote_ids block by block
-            targets = [v for b in local_ids for v in self.local.spans([b], None)]
-        self._exchange({"op": "read", "key": key, "token": token, "block_ids": list(remote_ids)}, [], targets)
+        # Ask in ascending remote order (the peer then sends few long runs), receive in that same order.
+        remote, local = _sorted_pairs(remote_ids, local_ids)
+        self._exchange({"op": "read", "key": key, "token": token, "block_ids": remote}, [],
+                       self.local.spans(local, None))
         return self.local.size(local_ids, None)
 
     def write_blocks(self, key: str, token: str, local_ids: list[int], remote_ids: list[int],
                      layer: int | None = None) -> int:
-        sources = [v for b in local_ids for v in self.local.spans([b], layer)]
-        nbytes = self.local.size(local_ids, layer)
-        self._exchange({"op": "write", "key": key, "token": token, "block_ids": list(remote_ids), "layer": layer,
-                        "nbytes": nbytes}, sources, [])
+        remote, local = _sorted_pairs(remote_ids, local_ids)
+        nbytes = self.local.size(local, layer)
+        self._exchange({"op": "write", "key": key, "token": token, "block_ids": remote, "layer": layer,
+                        "nbytes": nbytes}, self.local.spans(local, layer), [])
         return nbytes
 
     def close(self) -> None:
@@ -135,9 +137,20 @@ class TcpPeer(PeerChannel):
             self._idle.clear()
 
 
-def _is_one_run(local_ids: list[int]) -> bool:
-    """True when the local blocks are consecutive, so one contiguous span can receive everything."""
-    return all(b == local_ids[0] + i for i, b in enumerate(local_ids))
+def _sorted_pairs(remote_ids: list[int], local_ids: list[int]) -> tuple[list[int], list[int]]:
+    pairs = sorted(zip(remote_ids, local_ids, strict=True))
+    return [r for r, _ in pairs], [b for _, b in pairs]
+
+
+def _ordered_runs(block_ids: list[int]) -> list[tuple[int, int]]:
+    """(start, length) runs of ids that follow each other in the given order."""
+    runs: list[tuple[int, int]] = []
+    for b in block_ids:
+        if runs and runs[-1][0] + runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((b, 1))
+    return runs
 
 
 class TcpDataPlane(DataPlane):
