@@ -13,11 +13,16 @@ each one drawn from a seeded RNG:
 * ~10 % are abandoned by the client: the connection is closed after the first SSE chunk, or after a random delay.
 
 Every request that was not abandoned and got a 200 is compared with C's greedy answer to the same prompt (asked once
-per prompt with max_tokens 32 and top-2 logprobs, cached): the token ids must equal C's first max_tokens ids (fewer if
-C stopped at EOS) and the text must agree. A mismatch at a position where C's top-2 logprobs are within
-`--near-tie` of each other is counted apart ("near ties": two correct computations may pick either), any other one is
-a wrong answer. Non-200 answers with an OpenAI error body and SSE error events are clean errors (allowed under
-injected faults); anything else (connection reset, truncated stream, missing error body, client timeout) is unclean.
+per prompt with max_tokens 32 and top-2 logprobs, cached). Plain answers: the token ids must equal C's first
+max_tokens ids (fewer if C stopped at EOS) and the text must agree; a mismatch where C's top-2 logprobs are within
+`--near-tie` is counted apart ("near ties": two correct computations may pick either). Streams: the concatenated text
+must agree; streamed token ids that merely leave some ids out are counted apart (`stream_ids_missing`, a known pdserve
+stream issue). Anything else is a wrong answer; after one, the same prompt is asked directly of P and D and again
+through the gateway, to tell which instance holds bad state, and the summary lists the earlier requests that shared
+its prompt or its first block. Repeated prompts are mostly recent ones, so a bad prefix-cache block is read back
+before it is evicted. Non-200 answers with an OpenAI error body and SSE error events are clean errors (allowed under
+injected faults); anything else (connection reset, truncated stream, missing error body) is unclean, and a request
+with no byte for `--request-timeout` seconds is a timeout (a hang).
 
 At the end the load stops, every instance must drain within `--drain-timeout` (no KV blocks in use, nothing running
 or waiting, no leases, transfer-map entries or push registrations left; gateways with nothing in flight), and the
@@ -635,13 +640,15 @@ def _progress(stats: Stats, t0: float, seconds: float) -> None:
 
 
 class RssSampler(threading.Thread):
-    """VmRSS of every process every `interval` seconds (for the peak and the trend)."""
+    """VmRSS of every process, and what P and D hold, every `interval` seconds (for the peak and the trend)."""
 
-    def __init__(self, procs: dict[str, int], interval: float) -> None:
+    def __init__(self, procs: dict[str, int], interval: float, instances: dict[str, str] | None = None) -> None:
         super().__init__(daemon=True, name="rss")
         self.procs = procs
         self.interval = interval
+        self.instances = instances or {}
         self.samples: dict[str, list[tuple[float, float]]] = {name: [] for name in procs}
+        self.held: list[dict[str, Any]] = []  # [{"t", "P": {gauge: value}, "D": {...}}]
         self.halt = threading.Event()
         self.t0 = time.monotonic()
 
@@ -651,6 +658,17 @@ class RssSampler(threading.Thread):
             rss = proc_status(pid).get("VmRSS")
             if rss is not None:
                 self.samples[name].append((now, rss))
+        reading: dict[str, Any] = {"t": round(now, 1)}
+        for name, url in self.instances.items():
+            try:
+                m = metric_values(url)
+                reading[name] = {k.split(":", 1)[1]: m.get(k, 0.0) for k in
+                                 ("pdserve:kv_blocks_in_use", "pdserve:num_requests_held", "pdserve:kv_leases_held",
+                                  "vllm:num_requests_running", "vllm:num_requests_waiting")}
+            except httpx.HTTPError:
+                reading[name] = None
+        if self.instances:
+            self.held.append(reading)
 
     def run(self) -> None:
         while not self.halt.wait(self.interval):
@@ -737,7 +755,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", type=Path, default=None, help="model folder (default: make a tiny qwen3 in a temp dir)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per instance (default 1)")
-    ap.add_argument("--num-kv-blocks", type=int, default=1024)
+    ap.add_argument("--num-kv-blocks", type=int, default=2048)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--lease-s", type=float, default=5.0, help="kv_lease_duration on P and D")
     ap.add_argument("--message-timeout", type=float, default=2.0)
@@ -837,7 +855,7 @@ def _run(args: argparse.Namespace, protocols: list[str], procs: dict[str, Proces
     pids = {name: proc.pid for name, proc in procs.items()}
     pids["client"] = os.getpid()
     rss_start = {name: proc_status(pid) for name, pid in pids.items()}
-    sampler = RssSampler(pids, args.rss_interval)
+    sampler = RssSampler(pids, args.rss_interval, {n: procs[n].url for n in ("P", "D")})
     sampler.sample()
     sampler.start()
     counters_start = {n: instance_counters(procs[n].url) for n in ("P", "D", "C")}
@@ -931,6 +949,7 @@ def _run(args: argparse.Namespace, protocols: list[str], procs: dict[str, Proces
                               for n in counters_end},
         "gateway_counters": gw_counters,
         "dead_processes": dead,
+        "held_over_time": sampler.held,
         "problems": [{**p, "phase": "warm-up"} for p in warm.problems] + stats.problems,
         "timeline_fields": ["request_id", "protocol", "kind", "stream", "abort", "outcome", "prompt_len",
                             "max_tokens", "start_monotonic", "end_monotonic"],
@@ -973,6 +992,13 @@ def print_summary(s: dict[str, Any]) -> None:
     for name, reading in s["left_at_end"].items():
         print(f"  {name:16s} " + ", ".join(f"{k.split(':', 1)[-1]}={v:g}" if isinstance(v, (int, float))
                                           else f"{k}={v}" for k, v in reading.items()))
+    held = s.get("held_over_time") or []
+    if held:
+        step = max(1, len(held) // 12)
+        for name in ("P", "D"):
+            points = [f"{h['t']:.0f}s:{h[name]['kv_blocks_in_use']:g}/{h[name]['num_requests_held']:g}"
+                      for h in held[::step] if h.get(name)]
+            print(f"{name} blocks in use / requests held during the load: " + " ".join(points))
     print("memory (VmRSS MiB after warm-up -> end, peak; growth):")
     for name, m in s["memory"].items():
         if m["rss_start_mib"] is None or m["rss_end_mib"] is None:

@@ -235,3 +235,28 @@ def test_injected_ec_load_failure_recomputes(llava, colocated, tmp_path):
     finally:
         for proc in procs.values():
             proc.stop()
+
+
+def test_e_to_pd_over_two_encode_instances(llava, colocated, tmp_path):
+    """E→PD: images spread over two encode instances (in parallel), then a colocated instance loads them."""
+    store = tmp_path / "store"
+    procs = {}
+    try:
+        for name in ("E1", "E2"):
+            procs[name] = start_instance(llava, *COMMON, "--role", "encode", "--ec-transfer-config",
+                                         ec_config("ECStorageConnector", "ec_producer", store), name=name)
+        procs["PD"] = start_instance(llava, *COMMON, "--ec-transfer-config",
+                                     ec_config("ECStorageConnector", "ec_consumer", store), name="PD")
+        procs["G"] = start("gateway", ["gateway", "--encode", procs["E1"].url, procs["E2"].url, "--both",
+                                       procs["PD"].url, "--protocol", "colocated", "--policy", "round_robin",
+                                       "--port", "0", "--log-level", "warning"])
+        body = chat([61, 62, 63, 64])
+        routed = tokens(httpx.post(procs["G"].url + "/v1/chat/completions", json=body, timeout=60))
+        assert routed == tokens(httpx.post(colocated.url + "/v1/chat/completions", json=body, timeout=60))
+        runs = [metric_values(procs[n].url)["pdserve:encoder_runs_total"] for n in ("E1", "E2")]
+        assert sorted(runs) == [2, 2]  # four images, two on each encode instance
+        assert metric_values(procs["PD"].url)["pdserve:ec_loads_total"] == 4
+        nothing_held(procs, ("PD",))
+    finally:
+        for proc in procs.values():
+            proc.stop()

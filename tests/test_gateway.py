@@ -19,7 +19,7 @@ from server_utils import metric_values, sse_events, wait_until_idle
 
 COMMON = ["--max-model-len", "512", "--num-kv-blocks", "192", "--served-model-name", "tiny"]
 FAKE = str(Path(__file__).with_name("fake_vllm.py"))
-SUPPORTED = [("pull", "batch"), ("pull", "staged"), ("decode-first", "batch")]
+SUPPORTED = [("pull", "batch"), ("pull", "staged"), ("decode-first", "batch"), ("push", "batch")]
 
 
 def kv(role: str, **extra) -> str:
@@ -83,6 +83,12 @@ def via_gateway(url: str, path: str, body: dict, stream: bool) -> str:
         return "".join(pieces)
 
 
+def moved(url: str) -> float:
+    """Transfers that completed on a decode instance: pulled loads plus pushes received."""
+    m = metric_values(url)
+    return m["pdserve:kv_transfer_loads_ok_total"] + m["pdserve:kv_push_done_ok_total"]
+
+
 @pytest.mark.parametrize("topology", ["1P1D", "2P2D"])
 @pytest.mark.parametrize("protocol,scheduling", SUPPORTED)
 def test_protocols_equal_colocated(cluster, topology, protocol, scheduling):
@@ -91,15 +97,15 @@ def test_protocols_equal_colocated(cluster, topology, protocol, scheduling):
     g = gateway("--prefill", *[cluster[p].url for p in ps], "--decode", *[cluster[d].url for d in ds],
                 "--protocol", protocol, "--scheduling", scheduling, "--policy", "round_robin")
     try:
-        loads_before = sum(metric_values(cluster[d].url)["pdserve:kv_transfer_loads_ok_total"] for d in ds)
+        loads_before = sum(moved(cluster[d].url) for d in ds)
         for path, body in REQUESTS * (2 if topology == "2P2D" else 1):
             expected = reference(cluster, path, body)
             for stream in (False, True):
                 assert via_gateway(g.url, path, body, stream) == expected
-        loads = sum(metric_values(cluster[d].url)["pdserve:kv_transfer_loads_ok_total"] for d in ds) - loads_before
+        loads = sum(moved(cluster[d].url) for d in ds) - loads_before
         assert loads == len(REQUESTS) * 2 * (2 if topology == "2P2D" else 1)  # every request really moved KV
         if topology == "2P2D":  # both pairs served
-            assert all(metric_values(cluster[d].url)["pdserve:kv_transfer_loads_ok_total"] > 0 for d in ds)
+            assert all(moved(cluster[d].url) > 0 for d in ds)
     finally:
         g.stop()
     idle_everywhere(cluster)
