@@ -94,9 +94,11 @@ def start_command(name: str, argv: list[str], timeout: float = 120.0, env: dict[
     proc = Process(name, popen, {}, log_path)
     try:
         proc.ready = _wait_ready(popen, timeout)
-    except BaseException:
+    except BaseException as exc:  # a Ctrl-C while waiting must not leave the child running either
         tail = proc.log_tail()
         proc.stop()
+        if not isinstance(exc, Exception):
+            raise
         raise LaunchError(f"{name} did not become ready: {tail}") from None
     threading.Thread(target=_drain, args=(popen, log_path), daemon=True).start()
     return proc

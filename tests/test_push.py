@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.ids import new_transfer_id
 from pdserve.launcher import start, start_instance
@@ -76,6 +77,21 @@ def test_push_through_gateway_equals_colocated(cluster, length):
     assert metric_values(cluster["D"].url)["pdserve:kv_push_done_ok_total"] == done_before + 1  # it really pushed
 
 
+def gateway_outcomes(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {s.labels["outcome"]: s.value for family in text_string_to_metric_families(text)
+            for s in family.samples if s.name == "pdserve:gateway_requests_total"}
+
+
+def test_a_served_push_counts_as_ok_not_cancelled(cluster):
+    """The client has its whole answer before P's own reply arrives: that is success, not a client cancel."""
+    before = gateway_outcomes(cluster["G"].url)
+    for i in range(3):
+        assert completion(cluster["G"].url, {"prompt": list(range(60 + i, 90 + i)), "max_tokens": 4}).status_code == 200
+    wait_for(lambda: gateway_outcomes(cluster["G"].url).get("ok", 0) == before.get("ok", 0) + 3, what="3 ok outcomes")
+    assert gateway_outcomes(cluster["G"].url).get("cancelled", 0) == before.get("cancelled", 0)
+
+
 def test_prefix_hits_on_p_and_d(cluster):
     shared = list(range(900, 964))
     for tail in ([1, 2, 3], [4, 5, 6, 7]):
@@ -120,6 +136,26 @@ def test_registration_before_prefill_starts(cluster):
         assert prefill_leg(cluster, prompt, xfer).status_code == 200
         same_answer(d.result(60).json(), completion(cluster["C"].url, {
             "prompt": prompt, "max_tokens": 8, "logprobs": 1, "return_token_ids": True}).json())
+
+
+def test_prefix_hit_on_p_only_is_pushed_too(cluster):
+    """P serves the first blocks from its prefix cache, so no layer write covers them; D registered beforehand
+    and has none of them. They must still reach D intact, not be caught by checksums and recomputed."""
+    prompt, xfer = list(range(300, 360)), new_transfer_id()
+    assert completion(cluster["P"].url, {"prompt": prompt[:48] + [1], "max_tokens": 1}).status_code == 200
+    before = metric_values(cluster["D"].url)
+    with ThreadPoolExecutor(1) as pool:
+        d = pool.submit(decode_leg, cluster, prompt, xfer)
+        wait_for(lambda: metric_values(cluster["D"].url)["pdserve:kv_push_expected"] == 1, what="D to register")
+        time.sleep(0.1)
+        p = prefill_leg(cluster, prompt, xfer)
+        assert p.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
+        answer = d.result(60).json()
+    after = metric_values(cluster["D"].url)
+    assert after["pdserve:kv_blocks_invalid_total"] == before["pdserve:kv_blocks_invalid_total"]
+    assert after["pdserve:prompt_tokens_computed_total"] - before["pdserve:prompt_tokens_computed_total"] == 1
+    same_answer(answer, completion(cluster["C"].url, {
+        "prompt": prompt, "max_tokens": 8, "logprobs": 1, "return_token_ids": True}).json())
 
 
 def test_registration_after_prefill_finished(cluster):

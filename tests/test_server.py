@@ -120,6 +120,18 @@ def test_streaming_completion_equals_non_streaming(client):
     assert finals == ["length"]
 
 
+def test_streaming_token_ids_all_arrive_while_text_is_held_back(client):
+    """A long stop string holds the text back until the end; the token ids must still stream, every one."""
+    body = {"model": "tiny", "prompt": "hold me", "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "stop": ["a stop string this tiny model will not write" * 3]}
+    whole = completion(client, **{k: v for k, v in body.items() if k not in ("model", "temperature")})
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        events = list(sse_events(r))
+    assert [t for e in events for c in e["choices"] for t in c["token_ids"]] == whole["choices"][0]["token_ids"]
+    assert len(events) > 2  # the ids came as they were sampled, not in one final chunk
+    assert "".join(c["text"] for e in events for c in e["choices"]) == whole["choices"][0]["text"]
+
+
 def test_streaming_chat_deltas_and_usage(client):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 10,
             "temperature": 0, "ignore_eos": True}

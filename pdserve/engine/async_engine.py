@@ -200,7 +200,7 @@ class AsyncEngine:
         loop = self._loop
         try:
             result = c.fn(self.engine)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - handed back to the caller's future
             loop.call_soon_threadsafe(_settle, c.future, None, exc)
         else:
             loop.call_soon_threadsafe(_settle, c.future, result, None)

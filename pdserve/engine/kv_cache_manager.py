@@ -35,6 +35,9 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.num_used_blocks / self.pool.num_blocks
 
+    def has_blocks(self, request_id: ReqId) -> bool:
+        return bool(self.req_blocks.get(request_id))
+
     def block_ids(self, request_id: ReqId) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 
@@ -121,6 +124,13 @@ class KVCacheManager:
 
     def evict(self, block_ids: list[int]) -> None:
         self.pool.evict(block_ids)
+
+    def invalidate_from(self, request_id: ReqId, first_block: int) -> None:
+        """The request keeps its blocks from `first_block` on but their KV is wrong: drop them from the prefix
+        index now, and index them again once recomputed."""
+        self.pool.evict(self.block_ids(request_id)[first_block:])
+        if self.num_cached_blocks.get(request_id, 0) > first_block:
+            self.num_cached_blocks[request_id] = first_block
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()

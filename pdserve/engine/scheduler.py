@@ -166,7 +166,9 @@ class Scheduler:
         """Allocate for a waiting request. Returns tokens to run now, -1 if parked, None if blocks ran out."""
         hits, num_local = [], 0
         num_external, load_async = 0, False
-        fresh = request.num_computed_tokens == 0
+        # A request rolled back to token 0 keeps its blocks; only one without any looks up the prefix cache and
+        # asks the connector (a preempted request gave all of its blocks back).
+        fresh = not self.kv.has_blocks(request.request_id)
         if fresh:
             hits, num_local = self.kv.get_computed_blocks(request)
             if self.connector is not None:
@@ -301,12 +303,11 @@ class Scheduler:
                 continue
             affected.add(rid)
             first = bad[0]
+            self.kv.invalidate_from(rid, first)
             if self.config.kv_load_failure_policy == "fail":
-                self.kv.evict(table[first:])
                 self._end(request, "KV cache load failed (invalid blocks)")
                 continue
             request.num_computed_tokens = min(request.num_computed_tokens, first * bs)
-            self.kv.evict(table[first:])
         return affected
 
     def _handle_invalid_mm_items(self, plan: SchedulerOutput, invalid: dict[str, str]) -> set[ReqId]:

@@ -45,13 +45,30 @@ async def _error(send: Any, status: int, message: str) -> None:
     await _respond(send, status, _encode(error_body(status, message)))
 
 
-async def _until_disconnect(receive: Any, work: Any) -> None:
-    """Run the proxying; if the client leaves first, cancel it (which cancels the legs and frees held KV)."""
+class _ResponseTracker:
+    """Wraps the ASGI send to know whether the client already has its whole answer."""
+
+    def __init__(self, send: Any) -> None:
+        self._send = send
+        self.complete = False
+
+    async def __call__(self, message: dict) -> None:
+        await self._send(message)
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            self.complete = True
+
+
+async def _until_disconnect(receive: Any, work: Any, response: _ResponseTracker) -> None:
+    """Run the proxying; if the client leaves first, cancel it (which cancels the legs and frees held KV).
+
+    The server reports a disconnect as soon as a complete answer went out; the work left then (a leg's last
+    bookkeeping) is let finish, so a served request is not counted as cancelled.
+    """
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_disconnect(receive))
     await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     watcher.cancel()
-    if not task.done():
+    if not task.done() and not response.complete:
         task.cancel()
     try:
         await task
@@ -111,7 +128,8 @@ def build_app(gateway: Gateway) -> Any:
         if "kv_transfer_params" in body and not gateway.config.allow_client_kv_params:
             del body["kv_transfer_params"]  # only the gateway decides where KV comes from
         request_id = _header(scope, b"x-request-id") or new_external_request_id()
-        await _until_disconnect(receive, gateway.handle(path, body, request_id, send))
+        response = _ResponseTracker(send)
+        await _until_disconnect(receive, gateway.handle(path, body, request_id, response), response)
 
     async def models(send: Any) -> None:
         for role in ("both", "decode", "prefill"):

@@ -117,6 +117,10 @@ class DecodeFirst(Forwarder):
         await call.relay("decode", decode, with_kv_params(call.body, params))
 
 
+# After D answered, how long a push waits for P's own reply before dropping it (P's KV is already written).
+_PREFILL_REPLY_GRACE_S = 2.0
+
+
 class Push(Forwarder):
     """Parallel (MoRIIO WRITE / Mooncake style): P and D get the request at once, joined by the transfer_id.
 
@@ -156,6 +160,8 @@ class Push(Forwarder):
                 # D already answers the client: tell it the KV will not come, so it computes locally now.
                 gw.release_transfer(decode, call.transfer_id)
             await decode_leg
+            # The client has its answer; P's reply (its usage) normally follows within a moment.
+            await asyncio.wait({prefill_leg}, timeout=_PREFILL_REPLY_GRACE_S)
         finally:
             for leg in (prefill_leg, decode_leg):
                 if not leg.done():

@@ -13,9 +13,9 @@ import json
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +47,12 @@ _PUSH_GIVE_UP_GRACE_S = 2.0
 def _by_transfer(transfer_id: str) -> str:
     """Early-notice key for a release that named a transfer_id rather than a hold key."""
     return f"transfer:{transfer_id}"
+
+
+def _log_failure(future: Any) -> None:
+    """Background coroutines handle their own errors; one that escapes is a bug worth a traceback."""
+    if not future.cancelled() and future.exception() is not None:
+        log.error("KV agent task failed", exc_info=future.exception())
 
 
 @dataclass(slots=True)
@@ -325,7 +331,7 @@ class TransferAgent:
     async def _notify(self, host: str, port: int, message: Message) -> None:
         try:
             await self.client(host, port).request(message, self.config.message_timeout_s)
-        except (SideChannelError, OSError, TimeoutError) as exc:
+        except Exception as exc:  # noqa: BLE001 - the receiver's deadline covers an undelivered notice
             log.warning("could not deliver %s to %s:%d: %s", type(message).__name__, host, port, exc)
 
     # -- push, consumer side -----------------------------------------------------------------------------
@@ -341,7 +347,7 @@ class TransferAgent:
                                                                                   self.config.message_timeout_s)
             if not isinstance(reply, Ack) or not reply.ok:
                 raise DataPlaneError(getattr(reply, "error", "") or "the producer refused the registration")
-        except (DataPlaneError, SideChannelError, OSError, TimeoutError) as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure must end the push, never strand the request
             self._complete_push(expectation.transfer_id, ok=False, error=f"registration failed: {exc}")
 
     def cancel_push(self, transfer_id: str) -> None:
@@ -410,8 +416,8 @@ class TransferAgent:
                 self.stats.push_registration_timeouts += 1
                 self._complete_push(expectation.transfer_id, ok=False,
                                     error=f"no write-done within {self.config.push_timeout_s} s")
-                await self._release(expectation.host, expectation.port, expectation.transfer_id, expectation.token,
-                                    "registration timed out")
+                asyncio.create_task(self._release(expectation.host, expectation.port, expectation.transfer_id,
+                                                  expectation.token, "registration timed out"))
 
     def num_expected(self) -> int:
         with self._lock:
@@ -427,7 +433,7 @@ class TransferAgent:
 
     def _call(self, coro: Any) -> None:
         assert self._loop is not None
-        asyncio.run_coroutine_threadsafe(coro, self._loop)
+        asyncio.run_coroutine_threadsafe(coro, self._loop).add_done_callback(_log_failure)
 
     # == the agent thread =================================================================================
     def _run_loop(self) -> None:
@@ -449,8 +455,11 @@ class TransferAgent:
     async def _shutdown(self) -> None:
         for task in self._tasks:
             task.cancel()
-        for address in list(self._clients):
+        for address in list(self._peers):
             self._drop_peer(address)
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
         if self._server is not None:
             self._server.close()
         if self._ctx is not None:
@@ -659,21 +668,25 @@ class TransferAgent:
         raise DataPlaneError("no data plane in common with the peer")
 
     def _drop_peer(self, address: tuple[str, int]) -> None:
-        """Forget a peer after a failure: the next message reconnects and handshakes afresh."""
+        """Forget a peer's data channel after a failure: the next load handshakes afresh.
+
+        The control connection stays: ZeroMQ reconnects it by itself, and other transfers' heartbeats, releases
+        and loads are waiting on it; closing it would fail them all for one peer's slow answer.
+        """
         peer = self._peers.pop(address, None)
         if peer is not None:
             peer.channel.close()
-        client = self._clients.pop(address, None)
-        if client is not None:
-            client.close()
 
     async def _load(self, job: LoadJob) -> None:
         started = time.monotonic()
         try:
             nbytes, invalid = await asyncio.wait_for(self._read(job), job.deadline_s)
-        except (DataPlaneError, SideChannelError, OSError, TimeoutError, ConnectionError, InjectedFault) as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure must fail this load, never strand the request
             error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            log.warning("KV load for %s from %s:%d failed: %s", job.request_id, job.host, job.port, error)
+            expected = (DataPlaneError, SideChannelError, OSError, TimeoutError, ConnectionError, InjectedFault)
+            log.log(logging.WARNING if isinstance(exc, expected) else logging.ERROR,
+                    "KV load for %s from %s:%d failed: %s", job.request_id, job.host, job.port, error,
+                    exc_info=not isinstance(exc, expected))
             self.stats.loads_failed += 1
             fatal = isinstance(exc, TransferRefused) and exc.refusal == "denied"
             self._finish_load(job, LoadResult(job.request_id, ok=False, error=error, fatal=fatal))
@@ -697,7 +710,7 @@ class TransferAgent:
                                                                  self.config.message_timeout_s)
             if isinstance(done, Ack) and not done.ok:
                 log.warning("producer did not accept read-done for %s: %s", job.key, done.error)
-        except (SideChannelError, OSError, TimeoutError) as exc:
+        except Exception as exc:  # noqa: BLE001 - the load is done; P's lease covers a lost read-done
             log.warning("read-done for %s not delivered (%s); P's lease will expire", job.key, exc)
 
     def _finish_load(self, job: LoadJob, result: LoadResult) -> None:
@@ -731,7 +744,7 @@ class TransferAgent:
         try:
             await self.client(host, port).request(Release(key=key, token=token, reason=reason),
                                                   self.config.message_timeout_s)
-        except (SideChannelError, OSError, TimeoutError) as exc:
+        except Exception as exc:  # noqa: BLE001 - a release is best effort: the lease is the backstop
             log.warning("could not release %s at %s:%d (%s); its lease will expire", key, host, port, exc)
 
     async def _send_heartbeats(self) -> None:
@@ -743,5 +756,5 @@ class TransferAgent:
             for (host, port), keys in targets.items():
                 try:
                     await self.client(host, port).request(Heartbeat(keys=keys), self.config.message_timeout_s)
-                except (SideChannelError, OSError, TimeoutError) as exc:
+                except Exception as exc:  # noqa: BLE001 - one peer's failure must not stop the others' heartbeats
                     log.warning("heartbeat to %s:%d failed: %s", host, port, exc)

@@ -23,9 +23,9 @@ from pdserve.ids import new_engine_id
 from pdserve.kv_transfer.agent import AgentConfig, TransferAgent
 from pdserve.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker
 from pdserve.kv_transfer.data_plane import DataPlane, make_data_plane
+from pdserve.kv_transfer.decode_first import DecodeFirstClient
 from pdserve.kv_transfer.faults import FaultConfig, resolve_fault_config
 from pdserve.kv_transfer.messages import PROTOCOL_VERSION
-from pdserve.kv_transfer.decode_first import DecodeFirstClient
 from pdserve.kv_transfer.params import DecodeFirst, KVParamsError, RemotePrefill, parse_kv_params
 from pdserve.kv_transfer.pd_connector import PdConnectorScheduler, PdConnectorWorker, ProducerIdentity
 from pdserve.models.config import read_config_json, text_config_of

@@ -6,9 +6,8 @@ per transfer so that a partial failure keeps its valid prefix.
 
 from __future__ import annotations
 
-import xxhash
-
 import torch
+import xxhash
 
 from pdserve.kv_transfer.data_plane.base import byte_view
 

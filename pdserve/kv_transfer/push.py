@@ -95,6 +95,12 @@ class PushProducer:
         for chunk in chunks:
             source = self._source(chunk.request_id, chunk.transfer_id)
             source.block_ids = chunk.block_ids
+            if source.computed < chunk.start:
+                # Tokens before this chunk came from P's prefix cache: no layer write covers them, so they are
+                # copied whole now if D has registered, or by the catch-up when it does.
+                if source.registration is not None and not source.released:
+                    self._write(source, source.computed, chunk.start, layer=None)
+                source.computed = chunk.start
         self._step = list(chunks)
         for end in ended:
             source = self._source(end.request_id, end.transfer_id)

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 import zmq
 import zmq.asyncio
 
-from pdserve.kv_transfer.faults import FaultInjector, FaultConfig
+from pdserve.kv_transfer.faults import FaultConfig, FaultInjector
 from pdserve.kv_transfer.messages import Ack, Message, ProtocolError, decode, encode
 
 log = logging.getLogger(__name__)
@@ -119,6 +119,7 @@ class SideChannelClient:
         self.sender = _FaultySender(self.socket, faults or FaultInjector(FaultConfig()))
         self._ids = itertools.count(1)
         self._pending: dict[bytes, asyncio.Future] = {}
+        self._closed = False
         self._reader = asyncio.create_task(self._read())
 
     async def _read(self) -> None:
@@ -137,6 +138,8 @@ class SideChannelClient:
                     future.set_result(reply)
 
     async def request(self, message: Message, timeout: float) -> Message:
+        if self._closed:
+            raise SideChannelError(f"the connection to {self.address[0]}:{self.address[1]} is closed")
         message_id = next(self._ids).to_bytes(8, "big")
         future = asyncio.get_running_loop().create_future()
         self._pending[message_id] = future
@@ -150,8 +153,12 @@ class SideChannelClient:
             self._pending.pop(message_id, None)
 
     def close(self) -> None:
+        # Fail, never cancel, the requests in flight: a cancelled future would end the caller's task with a
+        # CancelledError that its SideChannelError handler does not catch, and that task's cleanup would not run.
+        self._closed = True
         self._reader.cancel()
         for future in self._pending.values():
             if not future.done():
-                future.cancel()
+                future.set_exception(SideChannelError(f"the connection to {self.address[0]}:{self.address[1]} "
+                                                      "was closed"))
         self.socket.close(0)

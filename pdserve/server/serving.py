@@ -21,8 +21,8 @@ from pdserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestTim
 from pdserve.engine.llm_engine import PromptError
 from pdserve.engine.output_processor import RequestOutput
 from pdserve.engine.request import MultiModalItem, TokenLogprobs
-from pdserve.multimodal.prompt import IMAGE_PART_TYPES, MultimodalInputError, MultimodalPrompter
 from pdserve.ids import ReqId, make_internal_request_id
+from pdserve.multimodal.prompt import IMAGE_PART_TYPES, MultimodalInputError, MultimodalPrompter
 from pdserve.sampling_params import SamplingParams, SamplingParamsError
 from pdserve.server.errors import OpenAIError, bad_request, error_body
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedFieldError
@@ -263,7 +263,10 @@ class OpenAIServing:
                 if out.finished and out.finish_reason in ("error", "abort"):
                     yield b"data: " + _json.encode(_failure_body(out)) + b"\n\n"
                     break
-                if not out.new_text and not out.finished and not out.new_logprobs:
+                # A token whose text is held back (half a UTF-8 character, a possible stop string) sends no chunk,
+                # unless the client asked for token ids: those must all arrive.
+                if not (out.new_text or out.finished or out.new_logprobs
+                        or (body.return_token_ids and out.new_token_ids)):
                     continue
                 usage = _usage(prompts, sequences) if continuous else None
                 yield chunk([self._stream_choice(kind, body, seq, out)], usage)

@@ -1,0 +1,70 @@
+"""The side channel's request/answer contract over real ZeroMQ sockets on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import zmq.asyncio
+
+from pdserve.kv_transfer.messages import Ack, Heartbeat, Message
+from pdserve.kv_transfer.side_channel import SideChannelClient, SideChannelError, SideChannelServer
+
+
+async def _with_server(handler, body):
+    ctx = zmq.asyncio.Context()
+    server = SideChannelServer(ctx, "127.0.0.1", 0, handler)
+    serving = asyncio.create_task(server.serve())
+    client = SideChannelClient(ctx, "127.0.0.1", server.port)
+    try:
+        return await body(client)
+    finally:
+        client.close()
+        serving.cancel()
+        server.close()
+        ctx.term()
+
+
+def test_answers_match_their_requests():
+    async def echo(message: Message) -> Message:
+        await asyncio.sleep(0.05 if message.keys == ["slow"] else 0)  # answers come back out of order
+        return Ack(ok=True, unknown_keys=message.keys)
+
+    async def body(client):
+        return await asyncio.gather(client.request(Heartbeat(keys=["slow"]), 5),
+                                    client.request(Heartbeat(keys=["fast"]), 5))
+
+    slow, fast = asyncio.run(_with_server(echo, body))
+    assert slow.unknown_keys == ["slow"] and fast.unknown_keys == ["fast"]
+
+
+def test_closing_fails_waiting_requests_with_a_side_channel_error_not_a_cancellation():
+    """A cancelled future would kill the caller's task past its `except SideChannelError` (and its cleanup)."""
+    async def never(message: Message) -> Message:
+        await asyncio.sleep(60)
+        return Ack(ok=True)
+
+    async def body(client):
+        waiting = asyncio.create_task(client.request(Heartbeat(keys=["k"]), 30))
+        await asyncio.sleep(0.1)
+        client.close()
+        with pytest.raises(SideChannelError, match="closed"):
+            await waiting
+        with pytest.raises(SideChannelError, match="closed"):
+            await client.request(Heartbeat(keys=["k"]), 1)
+        return True
+
+    assert asyncio.run(_with_server(never, body))
+
+
+def test_no_answer_within_the_deadline_is_a_side_channel_error():
+    async def never(message: Message) -> Message:
+        await asyncio.sleep(60)
+        return Ack(ok=True)
+
+    async def body(client):
+        with pytest.raises(SideChannelError, match="within 0.2 s"):
+            await client.request(Heartbeat(keys=["k"]), 0.2)
+        return True
+
+    assert asyncio.run(_with_server(never, body))
