@@ -766,6 +766,77 @@ def profile_one(preset: str, model_dir: Path, dtype: str, hw: Hardware, wl: Work
             calls={k: v / instr for k, v in timers.calls.items()}, top_ops=top)
     del llm, engine
     gc.collect()
+    out["attention_whatif"] = [
+        attention_whatif(shape, dtype, len(offline_prompts), wl.prompt_len + wl.new_tokens // 2),
+        attention_whatif(shape, dtype, 1, wl.lat_prompt_len + wl.lat_new_tokens // 2)]
+    return out
+
+
+def attention_whatif(shape: ModelShape, dtype: str, batch: int, context: int, block_size: int = 16,
+                     reps: int = 20) -> dict[str, Any]:
+    """One layer's decode attention on a synthetic paged cache (blocks scattered like a real one): pdserve's
+    function as it is, its gather/copy parts alone, and the same math on K/V that are already contiguous."""
+    import torch.nn.functional as F
+    from pdserve.layers.attention import AttentionMetadata, _decode_attention, gather_blocks
+
+    dt = getattr(torch, dtype)
+    kv, hd, heads, group = shape.kv_heads, shape.head_dim, shape.heads, shape.heads // shape.kv_heads
+    per_seq = -(-context // block_size)
+    num_blocks = batch * per_seq + 1
+    cache = torch.randn(num_blocks, 2, 2, kv, block_size, hd).to(dt)  # 2 layers suffice for the strided view
+    layer = cache[:, 1]
+    table = (torch.randperm(num_blocks - 1)[:batch * per_seq] + 1).view(batch, per_seq)
+    padded = per_seq * block_size
+    visible = torch.arange(padded).unsqueeze(0) < torch.full((batch, 1), context)
+    bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf")).view(batch, 1, 1, padded)
+    meta = AttentionMetadata(slot_block=torch.zeros(batch, dtype=torch.long), slot_offset=torch.zeros(batch, dtype=torch.long),
+                             num_decode_tokens=batch, decode_block_table=table, decode_bias=bias)
+    q = torch.randn(batch, heads, hd).to(dt)
+    scale = hd ** -0.5
+    k32, v32 = torch.randn(batch, kv, padded, hd), torch.randn(batch, kv, padded, hd)
+    kdt, vdt = k32.to(dt), v32.to(dt)
+
+    def block_major_gather_copy() -> torch.Tensor:  # how pdserve gathered before gather_blocks
+        blocks = layer.index_select(0, table.reshape(-1))
+        return blocks.view(batch, per_seq, 2, kv, block_size, hd).permute(2, 0, 3, 1, 4, 5).to(torch.float32).reshape(
+            2, batch, kv, padded, hd)
+
+    def math(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        qg = q.to(k.dtype).view(batch, kv, group, hd)
+        scores = torch.matmul(qg, k.transpose(-1, -2)).float().mul_(scale).add_(bias)
+        return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+
+    variants = {
+        "pdserve _decode_attention (as is)": lambda: _decode_attention(q, layer, meta, scale),
+        "  gather_blocks alone (head-major)": lambda: gather_blocks(layer, table.reshape(-1)),
+        "  block-major gather + permute copy": block_major_gather_copy,
+        "same math, K/V contiguous fp32": lambda: math(k32, v32),
+    }
+    if dt != torch.float32:
+        variants[f"same math, K/V contiguous {dtype}"] = lambda: math(kdt, vdt)
+    variants[f"SDPA, K/V contiguous {dtype}"] = lambda: F.scaled_dot_product_attention(
+        q.view(batch, heads, 1, hd), kdt, vdt, attn_mask=bias.to(dt), scale=scale, enable_gqa=True)
+    kv_bytes = batch * context * 2 * kv * hd * cache.element_size()
+    out: dict[str, Any] = dict(batch=batch, context=context, dtype=dtype, kv_bytes_per_layer=kv_bytes, ms={}, ms_min={})
+    meter = common.CpuMeter()
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for fn in variants.values():
+        for _ in range(3):
+            fn()
+    for _ in range(reps):  # round-robin, so that a stall hits every variant alike
+        for name, fn in variants.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    busy = meter.since_mark()["others"]
+    log(f"    decode attention what-if, {dtype}, batch {batch}, context {context} ({kv_bytes / 1e6:.1f} MB of K/V per "
+        f"layer): ms per layer, median (min) of {reps}, x{shape.layers} layers = ms per step "
+        f"(others {busy:.2f} cores{'; SUSPECT' if busy >= BUSY_CORES else ''})")
+    for name, ts in times.items():
+        out["ms"][name], out["ms_min"][name] = median(ts) * 1e3, min(ts) * 1e3
+        log(f"      {name:<40} {median(ts) * 1e3:8.3f} ({min(ts) * 1e3:.3f}) ms  {median(ts) * 1e3 * shape.layers:7.2f} "
+            f"({min(ts) * 1e3 * shape.layers:.2f}) ms/step  {kv_bytes / min(ts) / 1e9:6.1f} GB/s of K/V at best")
+    out["others"] = busy
     return out
 
 

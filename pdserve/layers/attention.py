@@ -43,11 +43,20 @@ def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: 
 def gather_context(layer_cache: torch.Tensor, block_ids: torch.Tensor, length: int,
                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of one sequence as [kv_heads, length, head_dim]."""
-    blocks = layer_cache.index_select(0, block_ids)  # [n, 2, kv_heads, block_size, head_dim]
-    n, _, kv_heads, block_size, head_dim = blocks.shape
-    kv = blocks.permute(1, 2, 0, 3, 4).reshape(2, kv_heads, n * block_size, head_dim)[:, :, :length]
-    kv = kv.to(dtype)
+    kv = gather_blocks(layer_cache, block_ids)  # [2, kv_heads, n, block_size, head_dim]
+    _, kv_heads, n, block_size, head_dim = kv.shape
+    kv = kv.view(2, kv_heads, n * block_size, head_dim)[:, :, :length].to(dtype)
     return kv[0], kv[1]
+
+
+def gather_blocks(layer_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """The given blocks of one layer as [2, kv_heads, len(block_ids), block_size, head_dim], in one copy.
+
+    Selecting along the block axis of the head-major view lays every head's context out contiguously right
+    away; selecting whole blocks and permuting afterwards costs a second copy and, measured on a 12-layer cache
+    whose layer views are strided, 3x the time (docs/benchmarks.md).
+    """
+    return layer_cache.permute(1, 2, 0, 3, 4).index_select(2, block_ids)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
@@ -67,19 +76,18 @@ def _decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, meta: Attentio
     nd, heads, head_dim = q.shape
     table = meta.decode_block_table
     assert table is not None and meta.decode_bias is not None
-    blocks = layer_cache.index_select(0, table.reshape(-1))  # [nd * max_blocks, 2, kv_heads, bs, hd]
-    _, _, kv_heads, block_size, _ = blocks.shape
     max_blocks = table.shape[1]
-    # One copy both lays the context out contiguously per head and upcasts: attention math runs in fp32
-    # because torch's bf16 kernels at q_len 1 are slow and less accurate.
-    kv = blocks.view(nd, max_blocks, 2, kv_heads, block_size, head_dim).permute(2, 0, 3, 1, 4, 5)
-    kv = kv.to(torch.float32).reshape(2, nd, kv_heads, max_blocks * block_size, head_dim)
-    keys, values = kv[0], kv[1]
+    kv = gather_blocks(layer_cache, table.reshape(-1))  # [2, kv_heads, nd * max_blocks, block_size, head_dim]
+    kv_heads, block_size = kv.shape[1], kv.shape[3]
+    # Attention math runs in fp32 because torch's bf16 kernels at q_len 1 are slow and less accurate.
+    kv = kv.to(torch.float32).view(2, kv_heads, nd, max_blocks * block_size, head_dim)
+    keys, values = kv[0], kv[1]  # head-major: [kv_heads, nd, context, head_dim]
     group = heads // kv_heads
-    qg = q.to(torch.float32).view(nd, kv_heads, group, head_dim)
-    scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(scale).add_(meta.decode_bias)
+    qg = q.to(torch.float32).view(nd, kv_heads, group, head_dim).transpose(0, 1)
+    bias = meta.decode_bias.view(1, nd, 1, -1)
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(scale).add_(bias)
     probs = torch.softmax(scores, dim=-1)
-    return torch.matmul(probs, values).reshape(nd, heads, head_dim).to(q.dtype)
+    return torch.matmul(probs, values).transpose(0, 1).reshape(nd, heads, head_dim).to(q.dtype)
 
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
