@@ -14,6 +14,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -193,6 +194,68 @@ class _Tracer:
             self.file.write(line + "\n")
 
 
+def stampers(tracer: _Tracer) -> tuple[Callable[..., None], Callable[..., None]]:
+    """stamp(owner, name, label, fields) and its async twin: replace owner.name by a wrapper that records one
+    event with its start, duration and fields(*args) each call (class attributes, so later instances use it)."""
+    now = time.monotonic
+
+    def stamp(owner: Any, name: str, label: str, fields: Callable[..., dict] = lambda *a, **k: {}) -> None:
+        orig = getattr(owner, name)
+
+        def wrapper(*a, **k):
+            t0 = now()
+            try:
+                return orig(*a, **k)
+            finally:
+                tracer.ev(label, t0, dur=now() - t0, **fields(*a, **k))
+
+        setattr(owner, name, wrapper)
+
+    def stamp_async(owner: Any, name: str, label: str, fields: Callable[..., dict] = lambda *a, **k: {}) -> None:
+        orig = getattr(owner, name)
+
+        async def wrapper(*a, **k):
+            t0 = now()
+            try:
+                return await orig(*a, **k)
+            finally:
+                tracer.ev(label, t0, dur=now() - t0, **fields(*a, **k))
+
+        setattr(owner, name, wrapper)
+
+    return stamp, stamp_async
+
+
+def sse_data(client: Any, url: str, body: dict) -> Iterator[tuple[float, str]]:
+    """POST a streamed request to url; yield (arrival time, payload) of every SSE data line up to [DONE]."""
+    with client.stream("POST", url, json=body) as r:
+        if r.status_code != 200:
+            r.read()
+            raise RuntimeError(f"{url}: HTTP {r.status_code}: {r.text[:500]}")
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line[6:] == "[DONE]":
+                break
+            yield time.monotonic(), line[6:]
+
+
+def print_timeline(title: str, label: str, cols: list[str], prof: dict[str, dict[str, float]]) -> None:
+    """One column per mode, one row per segment (rows whose name starts with # are counts)."""
+    width = max(len(c) for c in cols) + 2
+    print(f"\n  {title}")
+    print(f"  {label:<52}" + "".join(f"{c:>{width}}" for c in cols))
+    for k in dict.fromkeys(k for c in cols for k in prof[c]):
+        spec = ".0f" if k.startswith("#") else ".2f"
+        print(f"  {k[:52]:<52}" + "".join(f"{format(prof[c].get(k, float('nan')), spec):>{width}}" for c in cols))
+
+
+def write_json(path: str | Path | None, results: dict[str, Any]) -> None:
+    if path:
+        Path(path).write_text(json.dumps(results, indent=1, default=str))
+        print(f"  wrote {path}")
+
+
 def install_trace(path: str) -> None:
     """Wrap pdserve methods (class attributes, so every instance made later uses them) to stamp events."""
     from pdserve.engine import async_engine as ae
@@ -250,29 +313,7 @@ def install_trace(path: str) -> None:
 
     ae.AsyncEngine._deliver_threadsafe = _deliver_threadsafe
 
-    def stamp(cls, name, label, fields=lambda *a, **k: {}):
-        orig = getattr(cls, name)
-
-        def wrapper(*a, **k):
-            t0 = now()
-            try:
-                return orig(*a, **k)
-            finally:
-                tr.ev(label, t0, dur=now() - t0, **fields(*a, **k))
-
-        setattr(cls, name, wrapper)
-
-    def stamp_async(cls, name, label, fields=lambda *a, **k: {}):
-        orig = getattr(cls, name)
-
-        async def wrapper(*a, **k):
-            t0 = now()
-            try:
-                return await orig(*a, **k)
-            finally:
-                tr.ev(label, t0, dur=now() - t0, **fields(*a, **k))
-
-        setattr(cls, name, wrapper)
+    stamp, stamp_async = stampers(tr)
 
     from pdserve.kv_transfer.data_plane.base import block_runs
 

@@ -576,21 +576,11 @@ def metric_values(client, url: str) -> dict[str, float]:
 def stream_first(client, url: str, body: dict) -> tuple[float, dict]:
     """POST a streamed completion; returns (monotonic time of the first token chunk, that chunk). Drains the rest."""
     first_t, first = None, None
-    with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            r.read()
-            raise RuntimeError(f"{url}: HTTP {r.status_code}: {r.text[:500]}")
-        for line in r.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line[6:]
-            if data == "[DONE]":
-                break
-            if first_t is None:
-                first_t = time.monotonic()
-                first = json.loads(data)
-                if "choices" not in first:
-                    raise RuntimeError(f"{url}: error in stream: {data[:500]}")
+    for t, data in procs.sse_data(client, f"{url}/v1/completions", body):
+        if first_t is None:
+            first_t, first = t, json.loads(data)
+            if "choices" not in first:
+                raise RuntimeError(f"{url}: error in stream: {data[:500]}")
     if first_t is None:
         raise RuntimeError(f"{url}: the stream had no token")
     return first_t, first
@@ -1059,9 +1049,7 @@ def main(argv: list[str] | None = None) -> int:
               f"(paired {r['pd_over_colocated_paired']:.2f}, denoised {r['pd_over_colocated_denoised']:.2f}), "
               f"PD {r['pd_ms']:.1f} ms vs {r['colocated_ms']:.1f} ms")
     print(f"  load {results['load_before']} -> {results['load_after']}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1, default=str))
-        print(f"  wrote {args.json}")
+    procs.write_json(args.json, results)
     return 0
 
 

@@ -23,8 +23,8 @@ decode_first_token), each instance's own vllm:time_to_first_token_seconds (engin
 HTTP), P's kv_push_writes / kv_push_bytes_sent, D's kv_push_done_ok and kv_transfer_bytes_received.
 --profile traces P, D and C (bench/procs.py's hooks, plus push-path stamps defined here: P's per-layer writes,
 write-done with its checksums, D's registration and verification; no pdserve code changes) and prints each
-mode's request time line. --whatif NAME starts a second, patched P/D pair (with its own push gateway) and
-measures it as mode "push_wi" in the same reps (see WHATIFS).
+mode's request time line. --whatif A,B+C starts, per variant (patches joined by '+'), another patched P/D pair
+with its own push gateway, measured as mode "push+A", "push+B+C" in the same reps (see WHATIFS).
 
   .venv/bin/python bench/ttft.py --quick                         # smoke run (~3 min)
   .venv/bin/python bench/ttft.py --json /tmp/ttft.json           # full: mnbt 4096 and 512, shm
@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import json
+import math
 import os
 import random
 import shutil
@@ -51,8 +52,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 _BENCH = Path(__file__).resolve().parent
 if str(_BENCH) not in sys.path:
     sys.path.insert(0, str(_BENCH))
-import procs  # noqa: E402  (bench/procs.py)
-import transfer as tr  # noqa: E402  (bench/transfer.py: stream_first, kv_config, cleanup registry, _c_segments)
+import procs
+import transfer as tr
 
 MiB = 1 << 20
 TARGET = 1.05  # push <= 1.05 x colocated
@@ -149,27 +150,7 @@ def install_child_hooks(trace_path: str | None, whatif: str) -> None:
     tracer = procs._Tracer(trace_path)
     now = time.monotonic
 
-    def stamp(owner, name, label, fields=lambda *a, **k: {}):
-        orig = getattr(owner, name)
-
-        def wrapper(*a, **k):
-            t0 = now()
-            try:
-                return orig(*a, **k)
-            finally:
-                tracer.ev(label, t0, dur=now() - t0, **fields(*a, **k))
-        setattr(owner, name, wrapper)
-
-    def stamp_async(owner, name, label, fields=lambda *a, **k: {}):
-        orig = getattr(owner, name)
-
-        async def wrapper(*a, **k):
-            t0 = now()
-            try:
-                return await orig(*a, **k)
-            finally:
-                tracer.ev(label, t0, dur=now() - t0, **fields(*a, **k))
-        setattr(owner, name, wrapper)
+    stamp, stamp_async = procs.stampers(tracer)
 
     # P (producer)
     stamp(pu.PushProducer, "_run_write", "write",
@@ -237,7 +218,8 @@ class Set:
         self.contention = contention
         self.label = f"mnbt {mnbt}, plane {plane}"
         self.procs: dict[str, Any] = {}
-        self.modes = list(MODES) + (["push_wi"] if args.whatif else [])
+        self.variants = {f"+{'+'.join(v)}": v for v in args.whatif}  # suffix -> patches
+        self.modes = list(MODES) + [f"push{suffix}" for suffix in self.variants]
 
     def _start(self, key: str, fn, *a, **k) -> Any:
         proc = fn(*a, **k)
@@ -261,7 +243,7 @@ class Set:
             return json.dumps(cfg)
 
         tag = f"{self.mnbt}-{self.plane}"
-        pairs = [("", [])] + ([("_wi", a.whatif)] if a.whatif else [])
+        pairs = [("", [])] + list(self.variants.items())
         for suffix, whatif in pairs:
             for name, role in (("P", "kv_producer"), ("D", "kv_consumer")):
                 env = child_env(self.work, f"{name}{suffix}-{tag}", a.profile, whatif)
@@ -276,9 +258,9 @@ class Set:
         self._start("G_push", start, f"G_push-{tag}", ["gateway", "--prefill", P, "--decode", D, "--protocol", "push",
                                                        *gw])
         self._start("G_C", start, f"G_C-{tag}", ["gateway", "--both", C, "--protocol", "colocated", *gw])
-        if a.whatif:
-            self._start("G_push_wi", start, f"G_push_wi-{tag}", [
-                "gateway", "--prefill", self.procs["P_wi"].url, "--decode", self.procs["D_wi"].url,
+        for suffix in self.variants:
+            self._start(f"G_push{suffix}", start, f"G_push{suffix}-{tag}", [
+                "gateway", "--prefill", self.procs[f"P{suffix}"].url, "--decode", self.procs[f"D{suffix}"].url,
                 "--protocol", "push", *gw])
         print(f"  [{self.label}] " + ", ".join(f"{n} pid {p.pid}" for n, p in self.procs.items()), flush=True)
 
@@ -292,8 +274,9 @@ class Set:
             return self.procs["C"].url, None, ["C"]
         if mode == "C_gw":
             return self.procs["G_C"].url, "G_C", ["C"]
-        if mode == "push_wi":
-            return self.procs["G_push_wi"].url, "G_push_wi", ["P_wi", "D_wi"]
+        if mode.startswith("push+"):
+            suffix = mode[4:]
+            return self.procs[f"G_push{suffix}"].url, f"G_push{suffix}", [f"P{suffix}", f"D{suffix}"]
         return self.procs[f"G_{mode}"].url, f"G_{mode}", ["P", "D"]
 
     def send(self, client, mode: str, prompt: list[int]) -> dict[str, Any]:
@@ -346,7 +329,7 @@ class Set:
 
     @staticmethod
     def gw_protocol(mode: str) -> str:
-        return {"C_gw": "colocated", "pull": "pull", "push": "push", "push_wi": "push"}[mode]
+        return {"C_gw": "colocated", "pull": "pull"}.get(mode, "push")
 
 
 # ============================================================================= the measurement
@@ -374,13 +357,13 @@ def run_set(s: Set, args, client, gen: random.Random) -> dict[str, Any]:
     t = time.monotonic()
     # Correctness: the same prompt through push and C (direct), another through pull and C_gw: first tokens agree.
     agree = []
-    for a_mode, b_mode in (("push", "C"), ("pull", "C_gw")) + ((("push_wi", "C"),) if args.whatif else ()):
+    for a_mode, b_mode in [("push", "C"), ("pull", "C_gw")] + [(m, "C") for m in s.modes if m.startswith("push+")]:
         pr = prompt(min(1024, max(args.lengths)))
         agree.append((a_mode, b_mode, s.send(client, a_mode, pr)["text"] == s.send(client, b_mode, pr)["text"]))
     if args.touch_pools:  # cycle every KV pool once (steady state: pages touched, free queue rotated)
         n = min(max(args.lengths), 4096)
         for _ in range(-(-args.kv_blocks * 16 // n) + 1):
-            for mode in ("C", "pull") + (("push_wi",) if args.whatif else ()):
+            for mode in ["C", "pull"] + [m for m in s.modes if m.startswith("push+")]:
                 s.send(client, mode, prompt(n))
     for _ in range(args.warmup):
         for n in args.lengths:
@@ -412,30 +395,70 @@ def summarize(s: Set, args, samples, reps_info, agree) -> dict[str, Any]:
     res: dict[str, Any] = {"mnbt": s.mnbt, "plane": s.plane, "modes": s.modes, "agree": agree, "rows": [],
                            "reps_info": reps_info,
                            "samples": {f"{m}/{n}": v for (m, n), v in samples.items()}}
-    for n in args.lengths:
-        # Keep the reps in which no mode's request saw other processes use >= QUIET_CORES, if enough of them.
-        reps = sorted({r["rep"] for m in s.modes for r in samples[(m, n)]})
-        noisy = {r["rep"] for m in s.modes for r in samples[(m, n)] if r["others"] >= QUIET_CORES}
-        quiet = [r for r in reps if r not in noisy]
-        keep = set(quiet) if len(quiet) >= max(3, len(reps) // 2) else set(reps)
-        by = {m: [r for r in samples[(m, n)] if r["rep"] in keep] for m in s.modes}
-        med = lambda m, k: median([r[k] for r in by[m] if k in r])  # noqa: E731
+    return summarize_samples(res, args.lengths)
+
+
+def summarize_samples(res: dict[str, Any], lengths: list[int]) -> dict[str, Any]:
+    """Rows (one per prompt length) from res["samples"]; also used by --from-json."""
+
+    class _S:
+        modes = res["modes"]
+    s = _S
+    samples = {(k.split("/")[0], int(k.split("/")[1])): v for k, v in res["samples"].items()}
+    res["rows"] = []
+    for n in lengths:
+        # Per mode, keep the requests during which other processes used < QUIET_CORES (if at least 3 of them;
+        # else all); paired statistics use the reps in which both requests were quiet (same fallback).
+        allr = {m: samples[(m, n)] for m in s.modes}
+        quiet = {m: [r for r in v if r["others"] < QUIET_CORES] for m, v in allr.items()}
+        by = {m: (quiet[m] if len(quiet[m]) >= 3 else allr[m]) for m in s.modes}
+        def med(m: str, k: str, by=by) -> float:
+            return median([r[k] for r in by[m] if k in r])
+
+        def pairs(a: str, b: str, allr=allr) -> list[tuple[dict, dict]]:
+            rb = {r["rep"]: r for r in allr[b]}
+            both = [(r, rb[r["rep"]]) for r in allr[a] if r["rep"] in rb]
+            calm = [(x, y) for x, y in both if x["others"] < QUIET_CORES and y["others"] < QUIET_CORES]
+            return calm if len(calm) >= 3 else both
 
         def paired(a: str, b: str) -> float:
-            rb = {r["rep"]: r for r in by[b]}
-            return median([r["ttft"] / rb[r["rep"]]["ttft"] for r in by[a] if r["rep"] in rb])
+            return median([x["ttft"] / y["ttft"] for x, y in pairs(a, b)])
 
         def paired_diff(a: str, b: str) -> float:
-            rb = {r["rep"]: r for r in by[b]}
-            return median([r["ttft"] - rb[r["rep"]]["ttft"] for r in by[a] if r["rep"] in rb])
+            return median([x["ttft"] - y["ttft"] for x, y in pairs(a, b)])
 
-        row: dict[str, Any] = {"len": n, "reps_kept": len(keep), "reps": len(reps), "quiet_only": keep == set(quiet),
-                               "others_max": max((r["others"] for m in s.modes for r in samples[(m, n)]),
-                                                 default=0.0),
-                               "others_median": median([r["others"] for m in s.modes for r in samples[(m, n)]])}
+        everything = [r for v in allr.values() for r in v]
+        row: dict[str, Any] = {"len": n, "requests": len(everything),
+                               "quiet_requests": sum(len(v) for v in quiet.values()),
+                               "kept": {m: len(by[m]) for m in s.modes},
+                               "quiet_only": all(len(quiet[m]) >= 3 for m in s.modes),
+                               "others_max": max((r["others"] for r in everything), default=0.0),
+                               "others_median": median([r["others"] for r in everything])}
         for m in s.modes:
             row[f"{m}_ms"] = med(m, "ttft") * 1e3
             row[f"{m}_all_ms"] = [round(r["ttft"] * 1e3, 2) for r in by[m]]
+        for m in s.modes:  # time outside the prefill: client TTFT minus the prefilling instance's own TTFT
+            srv = "c_srv" if m in ("C", "C_gw") else "p_srv"
+            row[f"{m}_outside_ms"] = median([r["ttft"] - r[srv] for r in by[m]]) * 1e3
+        # Denoised: the prefill swings with other processes' load, so replace it by one pooled figure F (median of
+        # every prefilling instance's own TTFT, quiet requests preferred) times this mode's paired prefill slowdown
+        # against C_gw's (P's prefill may really be slower under push), and keep each mode's own time outside it.
+        pool = [r["c_srv" if m in ("C", "C_gw") else "p_srv"] for m in s.modes for r in by[m]]
+        F = median(pool)
+        row["prefill_pooled_ms"] = F * 1e3
+        for m in s.modes:
+            srv = "c_srv" if m in ("C", "C_gw") else "p_srv"
+            slow = 1.0 if m == "C_gw" else median([x[srv] / y["c_srv"] for x, y in pairs(m, "C_gw")])
+            row[f"{m}_prefill_vs_C_gw"] = slow
+            row[f"{m}_denoised_ms"] = (F * slow + row[f"{m}_outside_ms"] / 1e3) * 1e3
+        for m in s.modes:
+            for base in ("C_gw", "C"):
+                row[f"{m}_denoised_over_{base}"] = 1.0
+                row[f"{m}_denoised_noslow_over_{base}"] = 1.0
+                if m != base:
+                    row[f"{m}_denoised_over_{base}"] = row[f"{m}_denoised_ms"] / row[f"{base}_denoised_ms"]
+                    row[f"{m}_denoised_noslow_over_{base}"] = ((F * 1e3 + row[f"{m}_outside_ms"])
+                                                               / (F * 1e3 + row[f"{base}_outside_ms"]))
         for m in s.modes:
             if m in ("C", "C_gw"):
                 row[f"{m}_srv_ms"] = med(m, "c_srv") * 1e3
@@ -451,7 +474,7 @@ def summarize(s: Set, args, samples, reps_info, agree) -> dict[str, Any]:
                 continue
             for leg in ("prefill", "kv_ready", "decode_first_token"):
                 v = med(m, f"gw_{leg}")
-                if v == v:
+                if not math.isnan(v):
                     row[f"{m}_gw_{leg}_ms"] = v * 1e3
         for m in [x for x in s.modes if x not in ("C", "C_gw")] + ["C_gw"]:
             for base in ("C_gw", "C"):
@@ -477,50 +500,61 @@ def verdict(ratio: float) -> str:
 
 def print_set(res: dict[str, Any]) -> None:
     modes = res["modes"]
-    pd = [m for m in modes if m not in ("C", "C_gw")]
     print(f"\n== TTFT, h256 llama (4 layers), mnbt {res['mnbt']}, data plane {res['plane']} | medians (ms) of the "
           "kept reps; client send -> first streamed token")
-    head = f"  {'len':>5} {'C':>7} {'C_gw':>7} " + "".join(f"{m:>8}" for m in pd)
-    head += "".join(f" {m + '/C_gw':>13}" for m in pd) + "".join(f" {m + '/C':>11}" for m in pd)
-    head += f" {'C_gw/C':>7} {'reps':>6} {'others':>11}"
-    print(head)
+    w = max(8, max(len(m) for m in modes) + 1)
+    print(f"  {'len':>5} {'mode':<{w}} {'TTFT':>7} {'x C_gw':>7} {'paired':>7} {'+ms':>7} {'x C':>7} {'paired':>7} "
+          f"{'+ms':>7}  {'target':<9} {'quiet':>8} {'others':>10}")
     for r in res["rows"]:
-        line = f"  {r['len']:>5} {r['C_ms']:>7.1f} {r['C_gw_ms']:>7.1f} " + "".join(f"{r[f'{m}_ms']:>8.1f}" for m in pd)
-        for m in pd:
-            v = r[f"{m}_over_C_gw"]
-            tag = (" " + verdict(v)) if r["len"] == TARGET_LEN and m.startswith("push") else "     "
-            line += f" {v:>8.3f}{tag}"
-        for m in pd:
-            v = r[f"{m}_over_C"]
-            tag = (" " + verdict(v)) if r["len"] == TARGET_LEN and m.startswith("push") else "     "
-            line += f" {v:>6.3f}{tag}"
-        line += f" {r['C_gw_over_C']:>7.3f} {r['reps_kept']:>3}/{r['reps']:<2}{'q' if r['quiet_only'] else '!'}"
-        line += f" {r['others_median']:.2f}/{r['others_max']:.2f}"
-        print(line)
-    print("  paired ratios (median over reps of the same rep's ratio) and extra ms over C_gw (paired difference):")
-    for r in res["rows"]:
-        print(f"  {r['len']:>5} " + "  ".join(
-            f"{m}/C_gw {r[f'{m}_over_C_gw_paired']:.3f} ({r[f'{m}_minus_C_gw_ms']:+.1f} ms)" for m in pd)
-              + f"  C_gw/C {r['C_gw_over_C_paired']:.3f} ({r['C_gw_minus_C_ms']:+.1f} ms)")
-    print("  breakdown (ms, medians): srv = the instance's own vllm:time_to_first_token (arrival -> first token); "
-          "gw = the gateway's leg histograms")
-    print(f"  {'len':>5} {'mode':<8} {'P srv':>7} {'D srv':>7} {'C srv':>7} {'gw prefill':>10} {'gw kv_ready':>11} "
-          f"{'gw D 1st':>8} {'D load':>7} {'pulled':>7} {'pushed':>7} {'writes':>6} {'done_ok':>7} {'D computed':>10}")
+        for m in modes:
+            cols = f"  {r['len']:>5} {m:<{w}} {r[f'{m}_ms']:>7.1f}"
+            for base in ("C_gw", "C"):
+                if m == base or (m == "C" and base == "C_gw"):
+                    cols += f" {'':>7} {'':>7} {'':>7}"
+                    continue
+                cols += (f" {r[f'{m}_over_{base}']:>7.3f} {r[f'{m}_over_{base}_paired']:>7.3f} "
+                         f"{r[f'{m}_minus_{base}_ms']:>+7.1f}")
+            tag = ""
+            if r["len"] == TARGET_LEN and m.startswith("push"):
+                tag = f"{verdict(r[f'{m}_over_C_gw'])}/{verdict(r[f'{m}_over_C'])}"
+            extra = (f" {r['quiet_requests']:>3}/{r['requests']:<3}{'q' if r['quiet_only'] else '!'} "
+                     f"{r['others_median']:.2f}/{r['others_max']:.2f}") if m == "C" else ""
+            print(cols + f"  {tag:<9}" + extra)
+    print("  x C_gw / x C: ratio of medians against colocated through its gateway / directly; paired: median of the "
+          "same rep's ratios; +ms: median of the same rep's differences. target: PASS/MISS vs C_gw / vs C")
+    print("  denoised (prefill replaced by the pooled median F of every prefilling instance's own TTFT, times the mode's "
+          "paired prefill slowdown vs C_gw; each mode keeps its own time outside the prefill):")
+    print(f"  {'len':>5} {'F':>7}  {'mode':<{w}} {'prefill':>8} {'outside':>8} {'TTFT~':>8} {'x C_gw':>7} {'x C':>7} "
+          f"{'x C_gw if no slowdown':>22}  target")
     for r in res["rows"]:
         for m in modes:
             if m == "C":
                 continue
-            g = lambda k: r.get(f"{m}_{k}", float("nan"))  # noqa: E731
+            tag = ""
+            if r["len"] == TARGET_LEN and m.startswith("push"):
+                tag = f"{verdict(r[f'{m}_denoised_over_C_gw'])}/{verdict(r[f'{m}_denoised_over_C'])}"
+            print(f"  {r['len']:>5} {r['prefill_pooled_ms']:>7.1f}  {m:<{w}} {r[f'{m}_prefill_vs_C_gw']:>7.3f}x "
+                  f"{r[f'{m}_outside_ms']:>8.1f} {r[f'{m}_denoised_ms']:>8.1f} {r[f'{m}_denoised_over_C_gw']:>7.3f} "
+                  f"{r[f'{m}_denoised_over_C']:>7.3f} {r.get(f'{m}_denoised_noslow_over_C_gw', 1.0):>22.3f}  {tag}")
+    print("  breakdown (ms, medians): outside = client TTFT minus the prefilling instance's own TTFT (P's for pull/push, "
+          "C's for C/C_gw): HTTP hops, transfer, D's step; srv = the instance's own vllm:time_to_first_token (arrival "
+          "-> first token); gw = the gateway's leg histograms; pulled/pushed MiB")
+    print(f"  {'len':>5} {'mode':<{w}} {'outside':>7} {'P srv':>7} {'D srv':>7} {'C srv':>7} {'gw prefill':>10} {'gw kv_ready':>11} "
+          f"{'gw D 1st':>8} {'D load':>7} {'pulled':>7} {'pushed':>7} {'writes':>6} {'done_ok':>7} {'D computed':>10}")
+    for r in res["rows"]:
+        for m in modes:
+            def g(k: str, r=r, m=m) -> float:
+                return r.get(f"{m}_{k}", float("nan"))
             c_srv = r.get(f"{m}_srv_ms", float("nan"))
-            print(f"  {r['len']:>5} {m:<8} {fmt(g('p_srv_ms')):>7} {fmt(g('d_srv_ms')):>7} {fmt(c_srv):>7} "
+            print(f"  {r['len']:>5} {m:<{w}} {fmt(g('outside_ms')):>7} {fmt(g('p_srv_ms')):>7} {fmt(g('d_srv_ms')):>7} {fmt(c_srv):>7} "
                   f"{fmt(g('gw_prefill_ms')):>10} {fmt(g('gw_kv_ready_ms')):>11} {fmt(g('gw_decode_first_token_ms')):>8} "
                   f"{fmt(g('d_load_s_ms'), '.2f'):>7} {fmt(g('d_bytes_pulled_MiB'), '.2f'):>7} "
                   f"{fmt(g('p_push_bytes_MiB'), '.2f'):>7} {fmt(g('p_push_writes'), '.0f'):>6} "
                   f"{fmt(g('d_push_done_ok'), '.0f'):>7} {fmt(g('d_prompt_computed'), '.0f'):>10}")
-    print(f"  C srv (direct mode): " + ", ".join(f"{r['len']}: {r['C_srv_ms']:.1f}" for r in res["rows"]))
     print(f"  target: push <= {TARGET} x colocated at {TARGET_LEN} tokens (PASS/MISS on the ratio of medians). "
-          f"reps: kept/run, q = only reps in which other processes used < {QUIET_CORES} cores during every request, "
-          "! = too few such reps, all kept; others = cores used by other processes during a request, median/max")
+          f"quiet: requests during which other processes used < {QUIET_CORES} cores / all requests at this length; "
+          "medians use only those (per mode, if >= 3, else all: '!'); others = cores used by other processes during "
+          "a request, median/max")
     print(f"  first tokens agree (same prompt, different paths): {res['agree']}")
 
 
@@ -552,7 +586,7 @@ def segments(mode: str, r: dict, ev: dict[str, list[dict]]) -> dict[str, float] 
                 "C prefill steps, sum of step times": sum(e["dur"] for e in steps),
                 "# C steps": float(len(steps)), "C deliver -> client has token": t1 - deliver["t"],
                 "total (client)": t1 - t0}
-    P, D = ("P_wi", "D_wi") if mode == "push_wi" else ("P", "D")
+    P, D = ("P" + mode[4:], "D" + mode[4:]) if mode.startswith("push+") else ("P", "D")
     p, d = win.get(P, []), win.get(D, [])
     pp, dp = win.get(P + "+push", []), win.get(D + "+push", [])
     p_add, d_add = _first(p, "add"), _first(d, "add")
@@ -632,12 +666,12 @@ def segments(mode: str, r: dict, ev: dict[str, list[dict]]) -> dict[str, float] 
 def profile(s: Set, res: dict[str, Any], work: Path) -> dict[str, Any]:
     tag = f"{s.mnbt}-{s.plane}"
     ev = {}
-    for name in ("P", "D", "C", "P_wi", "D_wi"):
+    for name in ["P", "D", "C"] + [x + suffix for suffix in s.variants for x in ("P", "D")]:
         ev[name] = procs.read_trace(work / f"trace-{name}-{tag}.jsonl")
         ev[name + "+push"] = procs.read_trace(work / f"push-{name}-{tag}.jsonl")
     out: dict[str, Any] = {}
     for key, rs in res["samples"].items():
-        mode, n = key.split("/")
+        mode = key.split("/")[0]
         rows = [seg for r in rs if (seg := segments(mode, r, ev)) is not None]
         if rows:
             keys = list(dict.fromkeys(k for row in rows for k in row))
@@ -647,17 +681,14 @@ def profile(s: Set, res: dict[str, Any], work: Path) -> dict[str, Any]:
     return out
 
 
-def print_profile(prof: dict[str, Any], lengths: list[int]) -> None:
-    for group in (("C", "C_gw"), ("pull",), ("push", "push_wi")):
-        cols = [f"{m}/{n}" for n in lengths for m in group if f"{m}/{n}" in prof]
+def print_profile(prof: dict[str, Any], lengths: list[int], modes: list[str]) -> None:
+    for group in (("C", "C_gw"), ("pull",), ("push",)):
+        cols = [f"{m}/{n}" for n in lengths for m in modes if (m in group or m.startswith("push+") and group == ("push",))
+                and f"{m}/{n}" in prof]
         if not cols:
             continue
-        print(f"\n  time line of {'/'.join(group)} requests (ms, medians over reps; server traces + client stamps)")
-        w = max(len(c) for c in cols) + 2
-        print(f"  {'segment (# = count)':<52}" + "".join(f"{c:>{w}}" for c in cols))
-        for k in dict.fromkeys(k for c in cols for k in prof[c]):
-            spec = ".0f" if k.startswith("#") else ".2f"
-            print(f"  {k[:52]:<52}" + "".join(f"{format(prof[c].get(k, float('nan')), spec):>{w}}" for c in cols))
+        procs.print_timeline(f"time line of {'/'.join(group)} requests (ms, medians over reps; server traces + client "
+                             "stamps)", "segment (# = count)", cols, prof)
 
 
 # ============================================================================= main
@@ -680,14 +711,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--wait-idle", type=float, default=5.0,
                     help="before each (rep, length), wait up to S s for other processes to use < 0.25 cores")
     ap.add_argument("--profile", action="store_true", help="trace P, D, C and print each mode's time line")
-    ap.add_argument("--whatif", default="", help="patch a second P/D pair (mode push_wi): "
+    ap.add_argument("--from-json", help="print the tables of an earlier --json run again (recomputing the summary)")
+    ap.add_argument("--whatif", default="", help="comma-separated variants, each one or more patches joined by '+'; "
+                    "each variant gets its own patched P/D pair and push gateway (mode push+VARIANT): "
                     + "; ".join(f"{k}: {v}" for k, v in WHATIFS.items()))
     args = ap.parse_args(argv)
     args.lengths = [int(x) for x in args.lengths.split(",")]
     args.mnbt = [int(x) for x in args.mnbt.split(",")]
     args.planes = [p for p in args.planes.split(",") if p]
-    args.whatif = [w for w in args.whatif.split(",") if w]
-    unknown = set(args.whatif) - set(WHATIFS)
+    args.whatif = [[p for p in v.split("+") if p] for v in args.whatif.split(",") if v]
+    unknown = {p for v in args.whatif for p in v} - set(WHATIFS)
     if unknown:
         ap.error(f"unknown --whatif {sorted(unknown)}; known: {sorted(WHATIFS)}")
     if args.quick:
@@ -709,6 +742,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.from_json:
+        old = json.loads(Path(args.from_json).read_text())
+        for res in old["sets"]:
+            summarize_samples(res, old["args"]["lengths"])
+            print_set(res)
+            if res.get("profile"):
+                print_profile(res["profile"], old["args"]["lengths"], res["modes"])
+        print(f"  load {old.get('load_before')} -> {old.get('load_after')}; wall {old.get('wall_s', 0):.0f} s")
+        return 0
     import httpx
 
     signal.signal(signal.SIGTERM, tr._on_signal)
@@ -735,7 +777,7 @@ def main(argv=None) -> int:
                     print_set(res)
                     if args.profile:
                         res["profile"] = profile(s, res, work)
-                        print_profile(res["profile"], args.lengths)
+                        print_profile(res["profile"], args.lengths, res["modes"])
     finally:
         tr._cleanup()
     results["load_after"] = procs.loadavg()

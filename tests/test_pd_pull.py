@@ -66,12 +66,17 @@ PROMPT_LENGTHS = {"one token": 1, "less than a block": 7, "exact blocks": 32, "s
 def test_pull_equals_colocated(client, cluster, length):
     body = {"model": "tiny", "prompt": list(range(11, 11 + length)), "max_tokens": 16, "temperature": 0,
             "ignore_eos": True, "logprobs": 1, "return_token_ids": True}
+    before = metric_values(cluster["D"].url)
     d, p = toy_proxy(client, cluster["P"].url, cluster["D"].url, "/v1/completions", body)
     assert d.status_code == 200, d.text
     params = p["kv_transfer_params"]
     assert params["do_remote_prefill"] is True and params["remote_request_id"]
     assert len(params["remote_block_ids"][0]) == -(-length // 16)
     assert_same_answer(d.json(), colocated(client, cluster, body))
+    # The answer came from the transferred KV, not from a checksum failure's local recompute.
+    after = metric_values(cluster["D"].url)
+    for counter in ("pdserve:kv_blocks_invalid_total", "pdserve:kv_transfer_loads_failed_total"):
+        assert after[counter] == before[counter], counter
 
 
 def test_chat_and_streaming_through_pd(client, cluster):
