@@ -16,7 +16,7 @@ import torch
 from pdserve.kv_transfer.data_plane.base import DataPlaneError
 from pdserve.kv_transfer.data_plane.shm import ShmPeer, map_pool
 
-SHAPE = [64, 3, 2, 2, 16, 8]  # blocks, layers, K/V, kv heads, block size, head dim
+SHAPE = [256, 3, 2, 2, 16, 64]  # blocks, layers, K/V, kv heads, block size, head dim: 48 KiB blocks
 
 
 def memfd_pool(fill: float) -> tuple[mmap.mmap, torch.Tensor]:
@@ -46,23 +46,32 @@ def scattered(n: int, seed: int) -> tuple[list[int], list[int]]:
     return rng.sample(range(SHAPE[0]), n), rng.sample(range(SHAPE[0]), n)
 
 
-def test_read_scattered_blocks_copies_exactly_those(pools):
+@pytest.fixture(params=[1, 2], ids=["1 thread", "2 threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def test_read_scattered_blocks_copies_exactly_those(pools, threads):
     peer, remote, local = pools
     assert peer.raw  # contiguous CPU pools of one layout take the memmove path
     before = local.clone()
     rng = random.Random(0)
-    # 15 scattered pairs plus a run of 5 consecutive blocks on both sides (copied as one), all ids distinct
-    remote_ids = rng.sample(range(40), 15) + list(range(40, 45))
-    local_ids = rng.sample(range(15, 64), 15) + list(range(10, 15))
+    # 120 scattered pairs (one memmove each) plus a run of 30 consecutive blocks on both sides (1.4 MiB: one
+    # torch copy, which uses every thread), all ids distinct
+    remote_ids = rng.sample(range(200), 120) + list(range(200, 230))
+    local_ids = rng.sample(range(30, 256), 120) + list(range(0, 30))
     moved = peer.read_blocks("k", "t", remote_ids, local_ids)
-    assert moved == 20 * local[0].numel() * 4
+    assert moved == 150 * local[0].numel() * 4
     for r, dst in zip(remote_ids, local_ids):
         assert torch.equal(local[dst], remote[r])
     untouched = sorted(set(range(SHAPE[0])) - set(local_ids))
     assert torch.equal(local[untouched], before[untouched])
 
 
-def test_write_whole_blocks_and_single_layers(pools):
+def test_write_whole_blocks_and_single_layers(pools, threads):
     peer, remote, local = pools
     before = remote.clone()
     local_ids, remote_ids = scattered(6, 1)

@@ -46,18 +46,26 @@ def map_pool(fd: int, shape: list[int], dtype: torch.dtype) -> tuple[mmap.mmap, 
     return mapping, tensor
 
 
+# Runs up to this size are copied with one libc memmove each; longer ones with torch's copy, which spreads a big
+# copy over every thread and streams faster than memmove (docs/benchmarks.md §2).
+_MEMMOVE_MAX_BYTES = 1 << 20
+
+
 def _copy_block_runs(dst: torch.Tensor, src: torch.Tensor, runs: list[tuple[int, int, int]]) -> None:
     """Copy runs of whole blocks (src_start, dst_start, n) between two contiguous CPU pools of the same layout.
 
-    One libc memmove per run (ctypes releases the GIL): a small model's block is tens of KiB, and a torch
-    ``copy_`` call costs about as long as copying that much, so scattered ids ran at half the memcpy rate
-    (docs/benchmarks.md §2). The ids are bounds-checked by the caller; a wrong id here would be a wild write.
+    A small model's block is tens of KiB, and a torch ``copy_`` call costs about as long as copying that much, so
+    scattered ids ran at half the memcpy rate through torch; a memmove (ctypes releases the GIL) has almost no
+    call cost. The ids are bounds-checked by the caller: a wrong one here would be a wild write.
     """
     block = dst[0].numel() * dst.element_size()
     dst_base, src_base = dst.data_ptr(), src.data_ptr()
     move = ctypes.memmove
     for s, d, n in runs:
-        move(dst_base + d * block, src_base + s * block, n * block)
+        if n * block <= _MEMMOVE_MAX_BYTES:
+            move(dst_base + d * block, src_base + s * block, n * block)
+        else:
+            dst[d:d + n].copy_(src[s:s + n])
 
 
 def _raw_copyable(*pools: torch.Tensor) -> bool:
