@@ -92,6 +92,25 @@ def test_a_served_push_counts_as_ok_not_cancelled(cluster):
     assert gateway_outcomes(cluster["G"].url).get("cancelled", 0) == before.get("cancelled", 0)
 
 
+def test_a_streamed_answer_read_to_done_counts_as_ok(cluster):
+    """A streaming client that hangs up right after [DONE] (as SDKs do) got its whole answer: ok, not cancelled."""
+    before = gateway_outcomes(cluster["G"].url)
+    n = 12
+    for i in range(n):
+        body = {"model": "tiny", "prompt": list(range(300 + i, 330 + i)), "max_tokens": 3, "temperature": 0,
+                "stream": True}
+        with httpx.stream("POST", f"{cluster['G'].url}/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    break  # leaving the block closes the connection before the body's last chunk is read
+    wait_for(lambda: sum(gateway_outcomes(cluster["G"].url).values()) == sum(before.values()) + n,
+             what=f"{n} outcomes")
+    after = gateway_outcomes(cluster["G"].url)
+    assert after.get("cancelled", 0) == before.get("cancelled", 0)
+    assert after.get("ok", 0) == before.get("ok", 0) + n
+
+
 def test_prefix_hits_on_p_and_d(cluster):
     shared = list(range(900, 964))
     for tail in ([1, 2, 3], [4, 5, 6, 7]):

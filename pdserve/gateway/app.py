@@ -45,8 +45,12 @@ async def _error(send: Any, status: int, message: str) -> None:
     await _respond(send, status, _encode(error_body(status, message)))
 
 
+_SSE_END = b"data: [DONE]\n\n"
+
+
 class _ResponseTracker:
-    """Wraps the ASGI send to know whether the client already has its whole answer."""
+    """Wraps the ASGI send to know whether the client already has its whole answer: the last body part went
+    out, or, for a stream, its [DONE] event did (clients hang up right after it, before the body's end)."""
 
     def __init__(self, send: Any) -> None:
         self._send = send
@@ -54,7 +58,8 @@ class _ResponseTracker:
 
     async def __call__(self, message: dict) -> None:
         await self._send(message)
-        if message["type"] == "http.response.body" and not message.get("more_body", False):
+        if message["type"] == "http.response.body" and (
+                not message.get("more_body", False) or message.get("body", b"").endswith(_SSE_END)):
             self.complete = True
 
 
