@@ -260,6 +260,22 @@ def test_unregistered_prefill_is_dropped_by_its_deadline(cluster):
     assert metric_values(cluster["P"].url)["pdserve:kv_push_unregistered_expired_total"] == before + 1
 
 
+def test_registration_after_p_freed_the_transfer_recomputes(cluster):
+    """A registration that arrives after P's deadline freed an unregistered transfer (say it was delayed) is told
+    "expired", not "denied": D computes the prompt itself and the client gets the colocated answer."""
+    prompt, xfer = list(range(500, 540)), new_transfer_id()
+    before = metric_values(cluster["P"].url)["pdserve:kv_push_unregistered_expired_total"]
+    assert prefill_leg(cluster, prompt, xfer).status_code == 200
+    wait_for(lambda: metric_values(cluster["P"].url)["pdserve:kv_push_unregistered_expired_total"] == before + 1,
+             what="P to free the unregistered transfer")
+    body = {"prompt": prompt, "max_tokens": 8, "logprobs": 1, "return_token_ids": True}
+    d = decode_leg(cluster, prompt, xfer)
+    assert d.status_code == 200, d.text
+    same_answer(d.json(), completion(cluster["C"].url, body).json())
+    wait_until_idle(cluster["P"].url, timeout=10)
+    wait_until_idle(cluster["D"].url, timeout=10)
+
+
 def test_internal_ids_never_cross_instances(cluster):
     prompt, xfer = list(range(100, 140)), new_transfer_id()
     p = prefill_leg(cluster, prompt, xfer)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from pdserve.engine.kv_cache_manager import cdiv
@@ -75,6 +76,10 @@ class _Source:
     deadline: float = 0.0
 
 
+# How many ended transfer ids P remembers (about 100 bytes each).
+_ENDED_REMEMBERED = 16384
+
+
 class PushProducer:
     """P's side, inside the worker half: tracks push requests and issues their writes."""
 
@@ -87,6 +92,9 @@ class PushProducer:
         self.unregistered_timeout_s = unregistered_timeout_s
         self.sources: dict[TransferId, _Source] = {}
         self._orphans: dict[str, tuple[PushRegister, float]] = {}  # registrations for transfers we do not know yet
+        # Transfers that ended here lately: a registration arriving after its transfer was freed (delayed, or after
+        # P's deadline) is told "expired", so D recomputes, instead of "denied" as for an id P never had.
+        self._ended: OrderedDict[str, None] = OrderedDict()
         self._step: list[PushChunk] = []
         self.expired = 0
 
@@ -124,7 +132,10 @@ class PushProducer:
         """Take what arrived on the side channel: registrations (catch up on them) and releases."""
         for registration in self.agent.take_registrations():
             source = self.sources.get(TransferId(registration.transfer_id))
-            if source is None:  # it may arrive before P has even seen the request
+            if source is None and registration.transfer_id in self._ended:
+                self.agent.send_write_done(registration, ok=False, refusal="expired",
+                                           error="this instance already freed the transfer's KV")
+            elif source is None:  # it may arrive before P has even seen the request
                 self._orphans[registration.transfer_id] = (registration, time.monotonic())
             else:
                 self._attach(source, registration)
@@ -189,7 +200,13 @@ class PushProducer:
                 out.add(source.request_id)
                 del self.sources[transfer_id]
                 self.translator.remove_request(source.request_id)
+                self._remember_ended(transfer_id)
         return out
+
+    def _remember_ended(self, transfer_id: str) -> None:
+        self._ended[transfer_id] = None
+        if len(self._ended) > _ENDED_REMEMBERED:
+            self._ended.popitem(last=False)
 
     # -- writes ----------------------------------------------------------------------------------------------
     def _write(self, source: _Source, start: int, end: int, layer: int | None) -> None:
