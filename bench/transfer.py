@@ -447,7 +447,7 @@ def bench_dataplane(args, contention: procs.Contention) -> dict[str, Any]:
     fresh_map = local_planes["shm"].connect(hello["infos"]["shm"])  # warm local pool, new mapping of the remote
     variants = {
         "warm": shm_peer,
-        "cold local pool": ShmPeer(shm_peer.mapping, shm_peer.remote, fresh_local),
+        "cold local pool": ShmPeer(shm_peer.remote, fresh_local),
         "cold remote mapping": fresh_map,
         "cold both": fresh_plane.connect(hello["infos"]["shm"]),
     }

@@ -9,6 +9,9 @@ from __future__ import annotations
 import mmap
 import os
 import random
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -32,13 +35,11 @@ def memfd_pool(fill: float) -> tuple[mmap.mmap, torch.Tensor]:
 
 @pytest.fixture
 def pools():
-    remote_map, remote = memfd_pool(0.0)
-    local_map, local = memfd_pool(0.5)
-    peer = ShmPeer(remote_map, remote, local)
+    _, remote = memfd_pool(0.0)
+    _, local = memfd_pool(0.5)
+    peer = ShmPeer(remote, local)
     yield peer, remote, local
-    del remote, local
     peer.close()
-    local_map.close()
 
 
 def scattered(n: int, seed: int) -> tuple[list[int], list[int]]:
@@ -97,3 +98,44 @@ def test_out_of_range_ids_are_refused_before_any_copy(pools, bad):
     with pytest.raises(DataPlaneError):
         peer.write_blocks("k", "t", [1, 2], [bad, 3])
     assert torch.equal(local, before)
+
+
+# Two shm data planes in one process, as P and D would be; a thread keeps reading while the channel is closed
+# (what the agent does when another load from that peer fails). Run in a child: a use-after-unmap kills it.
+_CLOSE_DURING_COPY = textwrap.dedent("""
+    import threading, random, torch
+    from pdserve.kv_transfer.data_plane.base import DataPlaneError
+    from pdserve.kv_transfer.data_plane.shm import ShmDataPlane
+    shape = (2048, 4, 2, 2, 16, 64)  # 128 MiB of 64 KiB blocks
+    owner, reader = ShmDataPlane(), ShmDataPlane()
+    owner.allocate(shape, torch.float32).fill_(1.0)
+    reader.allocate(shape, torch.float32)
+    owner.start(lambda *a: True)
+    channel = reader.connect(owner.local_info())
+    started, outcome = threading.Event(), []
+
+    def copy():
+        rng = random.Random(0)
+        try:
+            for _ in range(200):
+                ids = rng.sample(range(2048), 1024)
+                started.set()
+                channel.read_blocks("k", "t", ids, ids)
+        except DataPlaneError:
+            outcome.append("refused after close")
+
+    thread = threading.Thread(target=copy)
+    thread.start()
+    started.wait(10)
+    channel.close()
+    thread.join(60)
+    owner.stop()
+    print(outcome)
+""")
+
+
+def test_closing_a_channel_during_a_copy_does_not_crash():
+    run = subprocess.run([sys.executable, "-c", _CLOSE_DURING_COPY], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, f"child died with {run.returncode}: {run.stderr[-2000:]}"
+    assert "refused after close" in run.stdout
+

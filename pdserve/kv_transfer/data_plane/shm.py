@@ -73,47 +73,57 @@ def _raw_copyable(*pools: torch.Tensor) -> bool:
 
 
 class ShmPeer(PeerChannel):
-    def __init__(self, mapping: mmap.mmap, remote: torch.Tensor, local: torch.Tensor) -> None:
-        self.mapping = mapping
-        self.remote = remote
+    """D's view of one peer's pool. Copies run on transfer threads while the agent may close the channel (a
+    failed or timed-out load drops its peer), so each copy takes its own reference to the mapped pool and close()
+    only drops ours: the memory is unmapped when the last tensor over it is gone, never under a running copy."""
+
+    def __init__(self, remote: torch.Tensor, local: torch.Tensor) -> None:
+        # `remote` keeps its mmap object alive (torch.frombuffer holds it), and that unmaps when released.
+        self.remote: torch.Tensor | None = remote
         self.local = local
         self.raw = _raw_copyable(remote, local) and remote[0].shape == local[0].shape and remote.dtype == local.dtype
 
+    def _pool(self) -> torch.Tensor:
+        remote = self.remote
+        if remote is None:
+            raise DataPlaneError("the shared-memory channel to this peer was closed")
+        return remote
+
     def read_blocks(self, key: str, token: str, remote_ids: list[int], local_ids: list[int]) -> int:
-        check_block_ids(remote_ids, self.remote.shape[0])
-        check_block_ids(local_ids, self.local.shape[0])
+        remote, local = self._pool(), self.local
+        check_block_ids(remote_ids, remote.shape[0])
+        check_block_ids(local_ids, local.shape[0])
         runs = block_runs(remote_ids, local_ids)
         if self.raw:
-            _copy_block_runs(self.local, self.remote, runs)
+            _copy_block_runs(local, remote, runs)
         else:
             for src, dst, n in runs:
-                self.local[dst:dst + n].copy_(self.remote[src:src + n])
-        return len(remote_ids) * self.local[0].numel() * self.local.element_size()
+                local[dst:dst + n].copy_(remote[src:src + n])
+        return len(remote_ids) * local[0].numel() * local.element_size()
 
     def write_blocks(self, key: str, token: str, local_ids: list[int], remote_ids: list[int],
                      layer: int | None = None) -> int:
-        check_block_ids(remote_ids, self.remote.shape[0])
-        check_block_ids(local_ids, self.local.shape[0])
+        remote, local = self._pool(), self.local
+        check_block_ids(remote_ids, remote.shape[0])
+        check_block_ids(local_ids, local.shape[0])
         runs = block_runs(local_ids, remote_ids)
         if layer is None and self.raw:
-            _copy_block_runs(self.remote, self.local, runs)
-            return len(local_ids) * self.local[0].numel() * self.local.element_size()
+            _copy_block_runs(remote, local, runs)
+            return len(local_ids) * local[0].numel() * local.element_size()
         moved = 0
         for src, dst, n in runs:
             if layer is None:
-                self.remote[dst:dst + n].copy_(self.local[src:src + n])
-                moved += n * self.local[0].numel()
+                remote[dst:dst + n].copy_(local[src:src + n])
+                moved += n * local[0].numel()
             else:
-                self.remote[dst:dst + n, layer].copy_(self.local[src:src + n, layer])
-                moved += n * self.local[0, layer].numel()
-        return moved * self.local.element_size()
+                remote[dst:dst + n, layer].copy_(local[src:src + n, layer])
+                moved += n * local[0, layer].numel()
+        return moved * local.element_size()
 
     def close(self) -> None:
-        del self.remote
-        try:
-            self.mapping.close()
-        except BufferError:  # a tensor view is still alive somewhere; the mapping goes with it
-            pass
+        # No mapping.close(): it would unmap even while a copy on another thread still reads the pool (torch's
+        # frombuffer keeps the mmap object, not a buffer export, so nothing stops it) and crash the process.
+        self.remote = None
 
 
 class ShmDataPlane(DataPlane):
@@ -188,9 +198,9 @@ class ShmDataPlane(DataPlane):
         if not fds:
             raise DataPlaneError("the peer sent no memory handle")
         try:
-            mapping, remote = map_pool(fds[0], info["shape"], _DTYPES[info["dtype"]])
+            _, remote = map_pool(fds[0], info["shape"], _DTYPES[info["dtype"]])
         finally:
             os.close(fds[0])  # the mapping keeps the memory alive
         if remote[0].shape != self.kv[0].shape or remote.dtype != self.kv.dtype:
             raise DataPlaneError("the peer's KV block layout differs from ours")
-        return ShmPeer(mapping, remote, self.kv)
+        return ShmPeer(remote, self.kv)
