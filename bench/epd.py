@@ -40,17 +40,13 @@ pdserve code changes) and prints each mode's request time line.
 from __future__ import annotations
 
 import argparse
-import atexit
 import base64
 import io
 import json
 import os
 import random
-import shutil
-import signal
 import socket
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -621,10 +617,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import httpx
 
-    signal.signal(signal.SIGTERM, tr._on_signal)
-    atexit.register(tr._cleanup)
-    work = Path(tempfile.mkdtemp(prefix="pdserve-bench-epd-"))
-    tr._CLEANUP.append(lambda: shutil.rmtree(work, ignore_errors=True))
+    work = tr.work_dir("epd")
     contention = procs.Contention()
     results: dict[str, Any] = {"args": vars(args), "load_before": procs.loadavg(), "sets": []}
     print(f"bench/epd.py | connectors {args.connectors} | images {args.images} of {args.image_size}x{args.image_size} | "

@@ -683,24 +683,17 @@ def wait_drained(instances: dict[str, Process], gateways: dict[str, Process], ti
     last: dict[str, dict[str, float]] = {}
     while True:
         drained = True
-        for name, proc in instances.items():
+        watched = [(name, proc, HELD_GAUGES) for name, proc in instances.items()]
+        watched += [(name, proc, ("pdserve:gateway_in_flight",)) for name, proc in gateways.items()]
+        for name, proc, gauges in watched:
             try:
                 m = metric_values(proc.url)
             except httpx.HTTPError as exc:
                 last[name] = {"error": str(exc)}  # type: ignore[dict-item]
                 drained = False
                 continue
-            last[name] = {k: m.get(k, 0.0) for k in HELD_GAUGES}
+            last[name] = {k: m.get(k, 0.0) for k in gauges}
             drained &= all(v == 0 for v in last[name].values())
-        for name, proc in gateways.items():
-            try:
-                m = metric_values(proc.url)
-            except httpx.HTTPError as exc:
-                last[name] = {"error": str(exc)}  # type: ignore[dict-item]
-                drained = False
-                continue
-            last[name] = {"pdserve:gateway_in_flight": m.get("pdserve:gateway_in_flight", 0.0)}
-            drained &= last[name]["pdserve:gateway_in_flight"] == 0
         if drained or time.monotonic() >= deadline:
             return drained, time.monotonic() - t0, last
         time.sleep(0.25)

@@ -109,6 +109,15 @@ def _on_signal(signum, frame):  # noqa: ARG001
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def work_dir(name: str) -> Path:
+    """A temp folder for this run, removed with everything else the run started, at exit or on SIGTERM."""
+    signal.signal(signal.SIGTERM, _on_signal)
+    atexit.register(_cleanup)
+    work = Path(tempfile.mkdtemp(prefix=f"pdserve-bench-{name}-"))
+    _CLEANUP.append(lambda: shutil.rmtree(work, ignore_errors=True))
+    return work
+
+
 # ============================================================================= part 1: data planes
 
 
@@ -1006,10 +1015,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    signal.signal(signal.SIGTERM, _on_signal)
-    atexit.register(_cleanup)
-    work = Path(tempfile.mkdtemp(prefix="pdserve-bench-transfer-"))
-    _CLEANUP.append(lambda: shutil.rmtree(work, ignore_errors=True))
+    work = work_dir("transfer")
     contention = procs.Contention()
     results: dict[str, Any] = {"args": {k: v for k, v in vars(args).items()}, "host": os.uname().nodename,
                                "load_before": procs.loadavg()}

@@ -34,16 +34,12 @@ with its own push gateway, measured as mode "push+A", "push+B+C" in the same rep
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
 import math
 import os
 import random
-import shutil
-import signal
 import socket
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -753,10 +749,7 @@ def main(argv=None) -> int:
         return 0
     import httpx
 
-    signal.signal(signal.SIGTERM, tr._on_signal)
-    atexit.register(tr._cleanup)
-    work = Path(tempfile.mkdtemp(prefix="pdserve-bench-ttft-"))
-    tr._CLEANUP.append(lambda: shutil.rmtree(work, ignore_errors=True))
+    work = tr.work_dir("ttft")
     contention = procs.Contention()
     results: dict[str, Any] = {"args": vars(args), "load_before": procs.loadavg(), "sets": []}
     print(f"bench/ttft.py | lengths {args.lengths} | mnbt {args.mnbt} | planes {args.planes} | {args.reps} reps | "

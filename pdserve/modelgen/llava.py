@@ -40,7 +40,7 @@ from .text_models import (
     parameter_shapes,
     save_weights,
 )
-from .tokenizer import DEFAULT_MODEL_MAX_LENGTH, build_tokenizer, write_json
+from .tokenizer import DEFAULT_MODEL_MAX_LENGTH, build_tokenizer, chatml_template, write_json
 
 IMAGE_TOKEN = "<image>"
 IMAGE_TOKEN_ID = TOKENIZER_VOCAB_SIZE  # the first id after the text tokenizer's specials
@@ -67,24 +67,7 @@ LAYOUTS = ("hf5", "hub")
 # Each image part becomes one <image> placeholder token. Expanding it to IMAGE_SEQ_LENGTH image tokens is not
 # the template's job: transformers' LlavaProcessor expands it when tokenizing, and pdserve expands it itself
 # after tokenizing (pdserve/multimodal). Otherwise Qwen-style ChatML, as the text models use.
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['content'] is string %}"
-    "{{- message['content'] }}"
-    "{%- elif message['content'] is not none %}"
-    "{%- for part in message['content'] %}"
-    "{%- if part['type'] == 'text' %}{{- part['text'] }}"
-    "{%- elif part['type'] in ('image', 'image_url') %}{{- '" + IMAGE_TOKEN + "' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- endif %}"
-    "{{- '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}"
-    "{{- '<|im_start|>assistant\\n' }}"
-    "{%- endif %}"
-)
+CHAT_TEMPLATE = chatml_template(IMAGE_TOKEN)
 
 _TEXT_PRESET = replace(PRESETS["tiny"], vocab_size=VOCAB_SIZE)
 _TEXT_ARCH = ARCHS["llama"]

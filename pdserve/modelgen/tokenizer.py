@@ -23,24 +23,30 @@ SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, IM_START_TOKEN, EOS_TOKEN)
 DEFAULT_VOCAB_SIZE = 4096
 DEFAULT_MODEL_MAX_LENGTH = 2048
 
-# Qwen-style ChatML. String content is emitted as is; OpenAI-style content part lists have their
-# text parts concatenated so the template does not crash on multimodal-shaped requests.
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['content'] is string %}"
-    "{{- message['content'] }}"
-    "{%- elif message['content'] is not none %}"
-    "{%- for part in message['content'] %}"
-    "{%- if part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
-    "{%- endfor %}"
-    "{%- endif %}"
-    "{{- '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}"
-    "{{- '<|im_start|>assistant\\n' }}"
-    "{%- endif %}"
-)
+def chatml_template(image_token: str | None = None) -> str:
+    """Qwen-style ChatML. String content is emitted as is; of OpenAI-style content part lists the text parts are
+    concatenated (so the template does not crash on multimodal-shaped requests), and with `image_token` each image
+    part becomes that one placeholder token."""
+    image = f"{{%- elif part['type'] in ('image', 'image_url') %}}{{{{- '{image_token}' }}}}" if image_token else ""
+    return (
+        "{%- for message in messages %}"
+        "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+        "{%- if message['content'] is string %}"
+        "{{- message['content'] }}"
+        "{%- elif message['content'] is not none %}"
+        "{%- for part in message['content'] %}"
+        "{%- if part['type'] == 'text' %}{{- part['text'] }}" + image + "{%- endif %}"
+        "{%- endfor %}"
+        "{%- endif %}"
+        "{{- '<|im_end|>\\n' }}"
+        "{%- endfor %}"
+        "{%- if add_generation_prompt %}"
+        "{{- '<|im_start|>assistant\\n' }}"
+        "{%- endif %}"
+    )
+
+
+CHAT_TEMPLATE = chatml_template()
 
 
 def corpus_text() -> str:
