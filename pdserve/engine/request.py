@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.ids import ReqId
+from pdserve.kv_transfer.params import KVHandOff, RemoteDecode, RemotePrefill
 from pdserve.sampling_params import SamplingParams
 
 
@@ -69,8 +70,8 @@ class Request:
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
     external_id: str = ""
-    kv_transfer_params: dict[str, Any] | None = None
-    returned_kv_transfer_params: dict[str, Any] | None = None  # what the connector hands back at finish
+    kv_transfer_params: RemoteDecode | RemotePrefill | None = None  # parsed where the server read the request
+    returned_kv_transfer_params: KVHandOff | None = None  # what the connector hands back at finish
     mm_items: list[MultiModalItem] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
 
