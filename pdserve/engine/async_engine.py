@@ -1,7 +1,7 @@
 """The engine behind an asyncio server: the step loop runs in one background thread.
 
-One process, two threads: on a 2-core machine a separate engine process costs more than it saves (see
-reference/engine-anchor.md §3). torch kernels release the GIL, so the event loop keeps answering (health, new
+One process, two threads: on a 2-core machine a separate engine process costs more than it saves (its
+serialisation and context switches outweigh the overlap it buys). torch kernels release the GIL, so the event loop keeps answering (health, new
 requests, streaming) while a step computes. Everything that mutates the engine runs on the engine thread; the
 event loop only sends commands and receives outputs.
 """

@@ -10,6 +10,7 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.ec_transfer.factory import build_ec_connector, ec_policy
+from pdserve.ec_transfer.params import ECSource
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_runner import ModelRunner, default_kv_allocator
 from pdserve.engine.output_processor import OutputProcessor, RequestOutput
@@ -70,7 +71,7 @@ class LLMEngine:
         self.max_seq_len = max_sequence_length(config, self.max_model_len, num_blocks)
         self.ec = build_ec_connector(config.ec_transfer_config)
         if self.ec is not None:
-            self.runner.ec_loader = lambda item: self.ec.load(item.mm_hash, item.source or {})
+            self.runner.ec_loader = lambda item: self.ec.load(item.mm_hash, item.source or ECSource())
         sched_cfg = SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_seq_len, enable_chunked_prefill=config.enable_chunked_prefill,

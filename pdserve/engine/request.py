@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.ec_transfer.params import ECSource
 from pdserve.ids import ReqId
 from pdserve.kv_transfer.params import KVHandOff, RemoteDecode, RemotePrefill
 from pdserve.sampling_params import SamplingParams
@@ -60,7 +61,7 @@ class MultiModalItem:
     length: int
     data: Any = None  # preprocessed input (e.g. pixel values); lives with the model runner, never inspected here
     remote: bool = False  # ec_transfer_params said an encode instance holds its output
-    source: dict[str, Any] | None = None  # those ec_transfer_params: where the output is and how to fetch it
+    source: ECSource | None = None  # its ec_transfer_params entry: where the output is and how to fetch it
 
 
 @dataclass(eq=False, slots=True)

@@ -1,5 +1,5 @@
 """PD protocols: one Forwarder per protocol, each owning its leg bodies, its dispatch pattern and what passes
-between legs (Llumnix's forwarder registry, seed 003)."""
+between legs (as Llumnix's forwarder registry does)."""
 
 from __future__ import annotations
 

@@ -20,6 +20,7 @@ import msgspec
 from pdserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestTimeoutError
 from pdserve.engine.llm_engine import PromptError
 from pdserve.engine.output_processor import RequestOutput
+from pdserve.ec_transfer.params import parse_ec_params
 from pdserve.engine.request import MultiModalItem, TokenLogprobs
 from pdserve.ids import ReqId, make_internal_request_id
 from pdserve.kv_transfer.params import RemoteDecode, RemotePrefill
@@ -108,8 +109,8 @@ class OpenAIServing:
         try:
             if self.prompter is not None and has_media(messages):
                 # Decoding and preprocessing images is real work: keep it off the event loop.
-                token_ids, items = await asyncio.to_thread(self.prompter.build, messages, body.ec_transfer_params,
-                                                           **template)
+                sources = parse_ec_params(body.ec_transfer_params)  # the one place they are read
+                token_ids, items = await asyncio.to_thread(self.prompter.build, messages, sources, **template)
                 return _Prompt(token_ids, None, items)
             return _Prompt(self.tokenizer.encode_chat(flatten_messages(messages), **template), None)
         except (TokenizerError, MultimodalInputError) as exc:
