@@ -1,9 +1,9 @@
 """The engine behind an asyncio server: the step loop runs in one background thread.
 
 One process, two threads: on a 2-core machine a separate engine process costs more than it saves (its
-serialisation and context switches outweigh the overlap it buys). torch kernels release the GIL, so the event loop keeps answering (health, new
-requests, streaming) while a step computes. Everything that mutates the engine runs on the engine thread; the
-event loop only sends commands and receives outputs.
+serialisation and context switches outweigh the overlap it buys). torch kernels release the GIL, so the event
+loop keeps answering (health, new requests, streaming) while a step computes. Everything that mutates the engine
+runs on the engine thread; the event loop only sends commands and receives outputs.
 """
 
 from __future__ import annotations
