@@ -17,10 +17,10 @@ from typing import Any
 
 import msgspec
 
+from pdserve.ec_transfer.params import parse_ec_params
 from pdserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestTimeoutError
 from pdserve.engine.llm_engine import PromptError
 from pdserve.engine.output_processor import RequestOutput
-from pdserve.ec_transfer.params import parse_ec_params
 from pdserve.engine.request import MultiModalItem, TokenLogprobs
 from pdserve.ids import ReqId, make_internal_request_id
 from pdserve.kv_transfer.params import RemoteDecode, RemotePrefill
