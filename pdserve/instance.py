@@ -51,10 +51,7 @@ class Instance:
         bundle = self.connectors
         return OpenAIServing(
             self.async_engine, self.config.model_name, self.engine.tokenizer, self.engine.max_model_len,
-            check_kv_params=bundle.check_request_params if bundle else None,
-            reject_kv_params=bundle.reject if bundle else None,
-            prepare_kv_params=bundle.prepare_request_params if bundle else None,
-            prompter=prompter)
+            kv_params=bundle, prompter=prompter)
 
     def _extra_metrics(self, serving: OpenAIServing | EncodeServing):
         sources = []

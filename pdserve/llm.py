@@ -40,6 +40,7 @@ class LLM:
         owner: dict[ReqId, SequenceResult] = {}
         cached: dict[ReqId, GenerationResult] = {}
         for index, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):
+            p.validate(self.engine.vocab_size)  # the engine trusts the parameters it is given
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             result = GenerationResult(prompt_token_ids=ids, outputs=[])
             for child in range(p.n):

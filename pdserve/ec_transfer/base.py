@@ -1,7 +1,7 @@
 """Encoder-cache (EC) connectors: how an encode instance's outputs reach the prefill/decode instances.
 
 A producer (the encode instance) stores each item's encoder output under its mm_hash and describes where it
-is (`ec_transfer_params[mm_hash]`); a consumer loads it. Consumers are optimistic (seed 002): an item marked
+is (`ec_transfer_params[mm_hash]`); a consumer loads it. Consumers are optimistic: an item marked
 remote is scheduled as a load with no probe, and a failed load is reported so the scheduler can roll back and
 encode locally. Every output carries a checksum, so a damaged one fails rather than feeds the model garbage.
 """
@@ -9,11 +9,11 @@ encode locally. Every output carries a checksum, so a damaged one fails rather t
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
 
 import torch
 import xxhash
 
+from pdserve.ec_transfer.params import ECSource
 from pdserve.kv_transfer.faults import FaultConfig, FaultInjector, InjectedFault
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -39,27 +39,29 @@ class ECConnector(ABC):
 
     # -- producer -------------------------------------------------------------------------------------------
     @abstractmethod
-    def save(self, mm_hash: str, output: torch.Tensor) -> dict[str, Any]:
-        """Keep an encoder output; returns its ec_transfer_params (with `do_remote_encode: true`)."""
+    def save(self, mm_hash: str, output: torch.Tensor) -> ECSource:
+        """Keep an encoder output; returns where it is (its entry in ec_transfer_params)."""
 
-    def holds(self, mm_hash: str) -> dict[str, Any] | None:
-        """The params of an output already stored (so the encoder need not run again), or None."""
+    def holds(self, mm_hash: str) -> ECSource | None:
+        """Where an output already stored is (so the encoder need not run again), or None."""
         return None
 
     # -- consumer -------------------------------------------------------------------------------------------
-    def load(self, mm_hash: str, params: dict[str, Any]) -> torch.Tensor:
+    def load(self, mm_hash: str, source: ECSource) -> torch.Tensor:
         """Fetch and verify an output; raises on anything missing, refused or damaged."""
         try:
+            if source.error is not None:
+                raise ECLoadError(source.error)
             if self.faults.enabled:
                 self.faults.before_transfer("read")
-            output, checksum = self._fetch(mm_hash, params)
+            output, checksum = self._fetch(mm_hash, source)
             if self.faults.enabled and self.faults.should_corrupt_blocks():
                 output = output.clone()
                 output.view(-1)[0] += 1.0
-            expected = params.get("checksum", checksum)
+            expected = checksum if source.checksum is None else source.checksum
             if tensor_checksum(output) != expected:
                 raise ECLoadError(f"encoder output {mm_hash} failed its checksum")
-            num = params.get("num_embeds")
+            num = source.num_embeds
             if num is not None and output.shape[0] != num:
                 raise ECLoadError(f"encoder output {mm_hash} has {output.shape[0]} embeddings, expected {num}")
         except (ECLoadError, InjectedFault, OSError, KeyError, ValueError) as exc:
@@ -69,7 +71,7 @@ class ECConnector(ABC):
         return output
 
     @abstractmethod
-    def _fetch(self, mm_hash: str, params: dict[str, Any]) -> tuple[torch.Tensor, int]:
+    def _fetch(self, mm_hash: str, source: ECSource) -> tuple[torch.Tensor, int]:
         """The stored output and the checksum recorded with it."""
 
     def start(self) -> None:

@@ -8,12 +8,12 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import zmq
 
 from pdserve.ec_transfer.base import DTYPES, ECConnector, ECLoadError, tensor_checksum
+from pdserve.ec_transfer.params import ECSource
 from pdserve.kv_transfer.faults import FaultConfig
 from pdserve.kv_transfer.messages import ECData, ECFetch, ProtocolError, decode, encode
 
@@ -66,7 +66,7 @@ class ECP2PConnector(ECConnector):
             self._thread.join(2)
         self._ctx.destroy(linger=0)
 
-    def save(self, mm_hash: str, output: torch.Tensor) -> dict[str, Any]:
+    def save(self, mm_hash: str, output: torch.Tensor) -> ECSource:
         tensor = output.detach().to("cpu").contiguous()
         stored = _Stored(tensor, tensor_checksum(tensor), secrets.token_hex(16), time.monotonic() + self.ttl_s)
         with self._lock:
@@ -79,7 +79,7 @@ class ECP2PConnector(ECConnector):
         self.stores += 1
         return self._params(mm_hash, stored)
 
-    def holds(self, mm_hash: str) -> dict[str, Any] | None:
+    def holds(self, mm_hash: str) -> ECSource | None:
         with self._lock:
             stored = self._store.get(mm_hash)
             if stored is None or stored.expires_at <= time.monotonic():
@@ -92,10 +92,9 @@ class ECP2PConnector(ECConnector):
         with self._lock:
             return len(self._store)
 
-    def _params(self, mm_hash: str, stored: _Stored) -> dict[str, Any]:
-        return {"do_remote_encode": True, "connector": self.name, "num_embeds": stored.tensor.shape[0],
-                "checksum": stored.checksum, "remote_host": self.host, "remote_port": self.port,
-                "remote_engine_id": self.engine_id, "token": stored.token}
+    def _params(self, mm_hash: str, stored: _Stored) -> ECSource:
+        return ECSource(connector=self.name, num_embeds=stored.tensor.shape[0], checksum=stored.checksum,
+                        host=self.host, port=self.port, engine_id=self.engine_id, token=stored.token)
 
     def _evict(self) -> None:
         now = time.monotonic()
@@ -134,12 +133,14 @@ class ECP2PConnector(ECConnector):
                       data=t.view(-1).view(torch.uint8).numpy().tobytes(), checksum=stored.checksum)
 
     # -- consumer -------------------------------------------------------------------------------------------
-    def _fetch(self, mm_hash: str, params: dict[str, Any]) -> tuple[torch.Tensor, int]:
+    def _fetch(self, mm_hash: str, source: ECSource) -> tuple[torch.Tensor, int]:
+        if source.host is None or source.port is None:
+            raise ECLoadError(f"ec_transfer_params for {mm_hash} name no remote_host and remote_port")
         socket = self._ctx.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         try:
-            socket.connect(f"tcp://{params['remote_host']}:{int(params['remote_port'])}")
-            socket.send_multipart([b"1", encode(ECFetch(mm_hash=mm_hash, token=str(params.get("token", ""))))])
+            socket.connect(f"tcp://{source.host}:{source.port}")
+            socket.send_multipart([b"1", encode(ECFetch(mm_hash=mm_hash, token=source.token))])
             if not socket.poll(int(self.fetch_timeout_s * 1000)):
                 raise ECLoadError(f"no answer from the encode instance within {self.fetch_timeout_s} s")
             _, body = socket.recv_multipart()

@@ -7,13 +7,13 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pdserve.ec_transfer.base import ECConnector, ECLoadError, tensor_checksum
+from pdserve.ec_transfer.params import ECSource
 from pdserve.kv_transfer.faults import FaultConfig
 
 TENSOR_NAME = "ec_cache"
@@ -32,7 +32,7 @@ class ECStorageConnector(ECConnector):
             raise ECLoadError(f"invalid mm_hash {mm_hash!r}")
         return self.root / mm_hash / FILE_NAME
 
-    def save(self, mm_hash: str, output: torch.Tensor) -> dict[str, Any]:
+    def save(self, mm_hash: str, output: torch.Tensor) -> ECSource:
         path = self.path_of(mm_hash)
         path.parent.mkdir(parents=True, exist_ok=True)
         tensor = output.detach().to("cpu").contiguous()
@@ -45,21 +45,20 @@ class ECStorageConnector(ECConnector):
         self.stores += 1
         return self._params(mm_hash, tensor, checksum)
 
-    def holds(self, mm_hash: str) -> dict[str, Any] | None:
+    def holds(self, mm_hash: str) -> ECSource | None:
         path = self.path_of(mm_hash)
         if not path.is_file():
             return None
         try:
-            tensor, checksum = self._fetch(mm_hash, {})
+            tensor, checksum = self._fetch(mm_hash, ECSource())
         except (ECLoadError, OSError, ValueError):
             return None
         return self._params(mm_hash, tensor, checksum)
 
-    def _params(self, mm_hash: str, tensor: torch.Tensor, checksum: int) -> dict[str, Any]:
-        return {"do_remote_encode": True, "connector": self.name, "num_embeds": tensor.shape[0],
-                "checksum": checksum}
+    def _params(self, mm_hash: str, tensor: torch.Tensor, checksum: int) -> ECSource:
+        return ECSource(connector=self.name, num_embeds=tensor.shape[0], checksum=checksum)
 
-    def _fetch(self, mm_hash: str, params: dict[str, Any]) -> tuple[torch.Tensor, int]:
+    def _fetch(self, mm_hash: str, source: ECSource) -> tuple[torch.Tensor, int]:
         path = self.path_of(mm_hash)
         if not path.is_file():
             raise ECLoadError(f"no stored encoder output for {mm_hash}")

@@ -1,9 +1,9 @@
 """The engine behind an asyncio server: the step loop runs in one background thread.
 
-One process, two threads: on a 2-core machine a separate engine process costs more than it saves (see
-reference/engine-anchor.md §3). torch kernels release the GIL, so the event loop keeps answering (health, new
-requests, streaming) while a step computes. Everything that mutates the engine runs on the engine thread; the
-event loop only sends commands and receives outputs.
+One process, two threads: on a 2-core machine a separate engine process costs more than it saves (its
+serialisation and context switches outweigh the overlap it buys). torch kernels release the GIL, so the event
+loop keeps answering (health, new requests, streaming) while a step computes. Everything that mutates the engine
+runs on the engine thread; the event loop only sends commands and receives outputs.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.output_processor import RequestOutput
 from pdserve.engine.request import MultiModalItem
 from pdserve.ids import ReqId, make_internal_request_id
+from pdserve.kv_transfer.params import RemoteDecode, RemotePrefill
 from pdserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ class _Add:
     external_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    kv_transfer_params: dict[str, Any] | None
+    kv_transfer_params: RemoteDecode | RemotePrefill | None
     mm_items: list[MultiModalItem] | None
 
 
@@ -93,18 +94,19 @@ class AsyncEngine:
         return self.dead is None and self._thread is not None and self._thread.is_alive()
 
     # -- requests ---------------------------------------------------------------------------------------
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise PromptError / SamplingParamsError now, in the caller, so bad input never reaches the loop."""
+    def check_prompt(self, prompt_token_ids: list[int]) -> None:
+        """Raise PromptError now, in the caller, so a bad prompt never reaches the loop.
+
+        Sampling parameters are not checked here: the server validated them where it read the request.
+        """
         self.engine.check_prompt(prompt_token_ids)
-        params.validate(self.engine.vocab_size)
 
     async def generate(self, external_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       kv_transfer_params: dict[str, Any] | None = None,
+                       kv_transfer_params: RemoteDecode | RemotePrefill | None = None,
                        mm_items: list[MultiModalItem] | None = None,
                        request_id: ReqId | None = None) -> AsyncIterator[RequestOutput]:
         if self.dead is not None:
             raise EngineDeadError(f"the engine stopped: {self.dead}")
-        self.validate(prompt_token_ids, params)
         rid = request_id or make_internal_request_id(external_id)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = stream

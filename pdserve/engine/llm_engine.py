@@ -10,12 +10,14 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.ec_transfer.factory import build_ec_connector, ec_policy
+from pdserve.ec_transfer.params import ECSource
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_runner import ModelRunner, default_kv_allocator
 from pdserve.engine.output_processor import OutputProcessor, RequestOutput
 from pdserve.engine.request import MultiModalItem, Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.ids import ReqId, make_internal_request_id
+from pdserve.kv_transfer.params import RemoteDecode, RemotePrefill
 from pdserve.models.config import ModelConfigError, parse_dtype, read_config_json
 from pdserve.sampling_params import SamplingParams
 from pdserve.tokenizer import Tokenizer
@@ -69,7 +71,7 @@ class LLMEngine:
         self.max_seq_len = max_sequence_length(config, self.max_model_len, num_blocks)
         self.ec = build_ec_connector(config.ec_transfer_config)
         if self.ec is not None:
-            self.runner.ec_loader = lambda item: self.ec.load(item.mm_hash, item.source or {})
+            self.runner.ec_loader = lambda item: self.ec.load(item.mm_hash, item.source or ECSource())
         sched_cfg = SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_seq_len, enable_chunked_prefill=config.enable_chunked_prefill,
@@ -100,10 +102,10 @@ class LLMEngine:
             raise PromptError(f"token id {bad[0]} is out of vocabulary (vocab size {self.vocab_size})")
 
     def add_request(self, external_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    kv_transfer_params: dict[str, Any] | None = None, mm_items: list[MultiModalItem] | None = None,
+                    kv_transfer_params: RemoteDecode | RemotePrefill | None = None,
+                    mm_items: list[MultiModalItem] | None = None,
                     request_id: ReqId | None = None, detokenize: bool = True) -> ReqId:
-        self.check_prompt(prompt_token_ids)
-        params.validate(self.vocab_size)
+        self.check_prompt(prompt_token_ids)  # params were validated by whoever took the request (server, LLM)
         rid = request_id or make_internal_request_id(external_id)
         request = Request(request_id=rid, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
                           eos_token_ids=self.eos_token_ids, external_id=external_id,

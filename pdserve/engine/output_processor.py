@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from pdserve.engine.request import Request, RequestStatus, TokenLogprobs
 from pdserve.ids import ReqId
+from pdserve.kv_transfer.params import KVHandOff
 from pdserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -24,7 +24,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVHandOff | None = None  # the server writes its wire form into the response
     error: str | None = None
     error_status: int = 500
     arrival_time: float = 0.0

@@ -7,7 +7,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.ec_transfer.params import ECSource
 from pdserve.ids import ReqId
+from pdserve.kv_transfer.params import KVHandOff, RemoteDecode, RemotePrefill
 from pdserve.sampling_params import SamplingParams
 
 
@@ -59,7 +61,7 @@ class MultiModalItem:
     length: int
     data: Any = None  # preprocessed input (e.g. pixel values); lives with the model runner, never inspected here
     remote: bool = False  # ec_transfer_params said an encode instance holds its output
-    source: dict[str, Any] | None = None  # those ec_transfer_params: where the output is and how to fetch it
+    source: ECSource | None = None  # its ec_transfer_params entry: where the output is and how to fetch it
 
 
 @dataclass(eq=False, slots=True)
@@ -69,8 +71,8 @@ class Request:
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
     external_id: str = ""
-    kv_transfer_params: dict[str, Any] | None = None
-    returned_kv_transfer_params: dict[str, Any] | None = None  # what the connector hands back at finish
+    kv_transfer_params: RemoteDecode | RemotePrefill | None = None  # parsed where the server read the request
+    returned_kv_transfer_params: KVHandOff | None = None  # what the connector hands back at finish
     mm_items: list[MultiModalItem] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
 

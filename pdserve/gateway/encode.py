@@ -4,7 +4,7 @@ Each image part gets a `uuid` (a hash of its URL, unless the client named it), s
 same mm_hash without re-hashing pixels. Images seen before are not encoded again: the gateway remembers where
 their output is. New ones are spread over the encode instances and encoded in parallel; the returned
 `ec_transfer_params` join the request, and P (or PD) loads them. An encode failure costs only time: P then
-encodes locally (optimistic scheduling with rollback, seed 002).
+encodes locally (optimistic scheduling with rollback).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """PD protocols: one Forwarder per protocol, each owning its leg bodies, its dispatch pattern and what passes
-between legs (Llumnix's forwarder registry, seed 003)."""
+between legs (as Llumnix's forwarder registry does)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from typing import Any, ClassVar
 
 from pdserve.gateway.call import Call, LegError, Stage
 from pdserve.gateway.registry import Instance
+from pdserve.ids import TransferId
+from pdserve.kv_transfer import params as kv
 
 _PREFILL_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens")
 
@@ -29,14 +31,14 @@ class Forwarder(ABC):
         return f"{self.name} ({self.dispatch}; scheduling: {', '.join(sorted(self.scheduling_modes))})"
 
 
-def prefill_body(body: dict[str, Any], transfer_id: str) -> dict[str, Any]:
-    """vLLM NIXL's prefill leg: one token, no stream, no min_tokens, and a request to hold the KV."""
+def prefill_body(body: dict[str, Any], transfer_id: TransferId, push: bool = False) -> dict[str, Any]:
+    """vLLM NIXL's prefill leg: one token, no stream, no min_tokens, and a request to hold the KV (or push it)."""
     out = {k: v for k, v in body.items() if k not in _PREFILL_DROPPED}
     out["max_tokens"] = 1
     if "max_completion_tokens" in body:
         out["max_completion_tokens"] = 1
     out["stream"] = False
-    out["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}
+    out["kv_transfer_params"] = kv.RemoteDecode(transfer_id, push).to_wire()
     return out
 
 
@@ -111,8 +113,7 @@ class DecodeFirst(Forwarder):
         if await served_by_decode_alone(call, decode):
             return
         prefill = call.pick("prefill")
-        params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_prefill_url": prefill.url,
-                  "transfer_id": call.transfer_id}
+        params = kv.DecodeFirst(prefill.url, call.transfer_id).to_wire()
         call.stage = Stage.DECODE_SENT
         await call.relay("decode", decode, with_kv_params(call.body, params))
 
@@ -143,11 +144,10 @@ class Push(Forwarder):
         info = prefill.meta.get("kv") or {}
         if not info:
             raise LegError("prefill", "no_side_channel", f"{prefill.url} has no KV side channel", instance=prefill)
-        p_body = prefill_body(call.body, call.transfer_id)
-        p_body["kv_transfer_params"]["transfer_mode"] = "push"
-        d_params = {"do_remote_prefill": True, "do_remote_decode": False, "transfer_mode": "push",
-                    "transfer_id": call.transfer_id, "remote_engine_id": info["engine_id"],
-                    "remote_host": info["side_channel_host"], "remote_port": info["side_channel_port"]}
+        p_body = prefill_body(call.body, call.transfer_id, push=True)
+        d_params = kv.RemotePrefill(
+            engine_id=info["engine_id"], host=info["side_channel_host"], port=info["side_channel_port"],
+            remote_key=None, block_ids=None, token=None, transfer_id=call.transfer_id, mode="push").to_wire()
         call.stage = Stage.DECODE_SENT
         prefill_leg = asyncio.ensure_future(call.call_json("prefill", prefill, p_body, gw.deadlines.prefill_s))
         prefill_leg.add_done_callback(lambda leg: _take_prefill_usage(call, leg))

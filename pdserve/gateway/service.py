@@ -17,6 +17,7 @@ from pdserve.gateway.forwarders import make_forwarder
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.policies import NoInstanceError, make_policy
 from pdserve.gateway.registry import Instance, Registry
+from pdserve.ids import TransferId
 from pdserve.net.http_client import HttpClient, UpstreamError, UpstreamTimeout
 from pdserve.server.errors import error_body
 
@@ -87,14 +88,14 @@ class Gateway:
         return self.policies[role].pick(candidates, affinity)
 
     # -- explicit release of held KV ------------------------------------------------------------------------
-    def release_kv(self, instance: Instance, params: dict[str, Any], transfer_id: str) -> None:
+    def release_kv(self, instance: Instance, params: dict[str, Any], transfer_id: TransferId) -> None:
         """Tell P to free the KV it holds for a decode that will not happen (never wait for the lease)."""
         self.metrics.kv_releases.labels("decode_not_admitted").inc()
         task = asyncio.get_running_loop().create_task(self._release(instance, params, transfer_id))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _release(self, instance: Instance, params: dict[str, Any], transfer_id: str) -> None:
+    async def _release(self, instance: Instance, params: dict[str, Any], transfer_id: TransferId) -> None:
         body = _encode({**params, "transfer_id": params.get("transfer_id", transfer_id)})
         try:
             response = await instance.pool.request("POST", "/v1/kv/release", body,
@@ -105,7 +106,7 @@ class Gateway:
         except (UpstreamError, UpstreamTimeout) as exc:
             log.warning("could not release KV on %s (%s); its lease will expire", instance.url, exc)
 
-    def release_transfer(self, instance: Instance, transfer_id: str) -> None:
+    def release_transfer(self, instance: Instance, transfer_id: TransferId) -> None:
         """P may have finished and held KV that nobody will read: free it by the transfer_id we minted."""
         self.metrics.kv_releases.labels("prefill_abandoned").inc()
         task = asyncio.get_running_loop().create_task(self._release(instance, {"transfer_id": transfer_id}, transfer_id))

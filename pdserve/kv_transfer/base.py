@@ -9,13 +9,13 @@ results come back through ``KVConnectorOutput``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
 
 import torch
 
 from pdserve.engine.outputs import KVConnectorOutput, SchedulerOutput
 from pdserve.engine.request import Request
 from pdserve.ids import ReqId
+from pdserve.kv_transfer.params import KVHandOff
 
 
 class KVConnectorMetadata:
@@ -45,7 +45,7 @@ class KVConnectorScheduler(ABC):
         """The worker half's results for the step, for bookkeeping."""
 
     @abstractmethod
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, KVHandOff | None]:
         """Called once at finish, before blocks are freed: (connector keeps the blocks?, params to return)."""
 
     def has_pending_work(self) -> bool:

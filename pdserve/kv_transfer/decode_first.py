@@ -8,12 +8,11 @@ fails, D prefills locally (counted in `pdserve:decode_first_fallbacks`): the cli
 from __future__ import annotations
 
 import logging
-from typing import Any
 from urllib.parse import urlsplit
 
 import msgspec
 
-from pdserve.kv_transfer.params import DecodeFirst
+from pdserve.kv_transfer.params import DecodeFirst, RemoteDecode, RemotePrefill, parse_kv_params
 from pdserve.net.http_client import HttpClient, UpstreamError, UpstreamTimeout
 
 log = logging.getLogger(__name__)
@@ -27,12 +26,15 @@ class DecodeFirstClient:
         self.prefills = 0
         self.fallbacks = 0
 
-    async def prefill(self, request: DecodeFirst, prompt_token_ids: list[int]) -> dict[str, Any] | None:
-        """P's pull-mode kv_transfer_params for this prompt, or None to prefill here."""
+    async def prefill(self, request: DecodeFirst, prompt_token_ids: list[int], max_blocks: int
+                      ) -> RemotePrefill | None:
+        """P's pull-mode kv_transfer_params for this prompt, or None to prefill here.
+
+        P's answer is parsed here, where it arrives; a malformed one is refused (KVParamsError) as a client's is.
+        """
         url = urlsplit(request.prefill_url)
         body = {"prompt": prompt_token_ids, "max_tokens": 1, "temperature": 0, "stream": False,
-                "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
-                                       "transfer_id": request.transfer_id}}
+                "kv_transfer_params": RemoteDecode(request.transfer_id).to_wire()}
         pool = self.client.pool(url.hostname or "127.0.0.1", url.port or 80)
         try:
             response = await pool.request("POST", "/v1/completions", msgspec.json.encode(body),
@@ -47,7 +49,8 @@ class DecodeFirstClient:
         if not isinstance(params, dict) or not params.get("do_remote_prefill"):
             return self._fallback(request, "returned no kv_transfer_params")
         self.prefills += 1
-        return params
+        parsed = parse_kv_params(params, max_blocks)
+        return parsed if isinstance(parsed, RemotePrefill) else None
 
     def _fallback(self, request: DecodeFirst, why: str) -> None:
         self.fallbacks += 1

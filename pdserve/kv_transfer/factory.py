@@ -26,7 +26,8 @@ from pdserve.kv_transfer.data_plane import DataPlane, make_data_plane
 from pdserve.kv_transfer.decode_first import DecodeFirstClient
 from pdserve.kv_transfer.faults import FaultConfig, resolve_fault_config
 from pdserve.kv_transfer.messages import PROTOCOL_VERSION
-from pdserve.kv_transfer.params import DecodeFirst, KVParamsError, RemotePrefill, parse_kv_params
+from pdserve.kv_transfer.params import (DecodeFirst, KVParamsError, KVTransferParams, RemotePrefill, parse_kv_params,
+                                        parse_release)
 from pdserve.kv_transfer.pd_connector import PdConnectorScheduler, PdConnectorWorker, ProducerIdentity
 from pdserve.models.config import read_config_json, text_config_of
 from pdserve.models.loader import checkpoint_files
@@ -70,35 +71,32 @@ class ConnectorBundle:
         self.decode_first.close()
         self.agent.stop()
 
-    def check_request_params(self, params: dict[str, Any] | None, num_sequences: int) -> dict[str, Any] | None:
+    def parse_request_params(self, params: Any) -> KVTransferParams | None:
+        """A body's kv_transfer_params, parsed once where the server reads the request; below, only the types."""
         try:
-            parsed = parse_kv_params(params, self.max_blocks)
+            return parse_kv_params(params, self.max_blocks)
         except KVParamsError as exc:
             raise KVParamsRejected(str(exc)) from exc
-        if parsed is not None and num_sequences > 1:
-            self.reject(params, "n > 1 or batched prompts")
+
+    def check_request_params(self, parsed: KVTransferParams, num_sequences: int) -> None:
+        if num_sequences > 1:
+            self.reject(parsed, "n > 1 or batched prompts")
             raise KVParamsRejected("kv_transfer_params need a single prompt with n = 1")
-        return params
 
-    async def prepare_request_params(self, params: dict[str, Any] | None, prompt_token_ids: list[int]
-                                     ) -> dict[str, Any] | None:
+    async def prepare_request_params(self, parsed: KVTransferParams, prompt_token_ids: list[int]
+                                     ) -> KVTransferParams | None:
         """Decode-first: ask the named prefill instance to prefill (and hold) this prompt, then pull from it."""
+        if not isinstance(parsed, DecodeFirst):
+            return parsed
+        return await self.decode_first.prefill(parsed, prompt_token_ids, self.max_blocks)
+
+    def release_local(self, body: Any) -> bool:
+        """`POST /v1/kv/release` on a producer: free held KV by (remote_request_id, token) or by transfer_id."""
         try:
-            parsed = parse_kv_params(params, self.max_blocks)
+            release = parse_release(body)
         except KVParamsError as exc:
             raise KVParamsRejected(str(exc)) from exc
-        if not isinstance(parsed, DecodeFirst):
-            return params
-        return await self.decode_first.prefill(parsed, prompt_token_ids)
-
-    def release_local(self, params: dict[str, Any]) -> bool:
-        """`POST /v1/kv/release` on a producer: free held KV by (remote_request_id, token) or by transfer_id."""
-        key = params.get("remote_request_id")
-        transfer_id = params.get("transfer_id")
-        if not isinstance(key, str) and not isinstance(transfer_id, str):
-            raise KVParamsRejected("a release names remote_request_id (with transfer_token) or transfer_id")
-        return self.agent.release_local(key if isinstance(key, str) else None, str(params.get("transfer_token") or ""),
-                                        transfer_id if isinstance(transfer_id, str) else None)
+        return self.agent.release_local(release.key, release.token, release.transfer_id)
 
     def set_faults(self, raw: dict[str, Any]) -> dict[str, Any]:
         if not self.fault_api:
@@ -106,12 +104,8 @@ class ConnectorBundle:
         self.agent.set_faults(FaultConfig.from_dict(raw))
         return {"faults": msgspec.to_builtins(self.agent.faults.config), "injected": self.agent.faults.injected}
 
-    def reject(self, params: dict[str, Any] | None, reason: str) -> None:
+    def reject(self, parsed: KVTransferParams, reason: str) -> None:
         """A request with remote KV was refused before admission: tell P to free its blocks now."""
-        try:
-            parsed = parse_kv_params(params, self.max_blocks)
-        except KVParamsError:
-            return
         if isinstance(parsed, RemotePrefill) and parsed.remote_key is not None:
             self.agent.send_release(parsed.host, parsed.port, parsed.remote_key, parsed.token or "",
                                     f"rejected before admission: {reason}")
@@ -207,7 +201,7 @@ def build_pd_connector(config: EngineConfig) -> ConnectorBundle:
         preferred_plane=preferred, planes=planes, faults=resolve_fault_config(extra)))
     max_model_len = config.resolve_max_model_len(text_config_of(read_config_json(config.model)).max_position_embeddings)
     max_blocks = -(-max_model_len // config.block_size)
-    scheduler = PdConnectorScheduler(config.block_size, max_blocks, load_timeout_s=agent.config.load_timeout_s)
+    scheduler = PdConnectorScheduler(config.block_size, load_timeout_s=agent.config.load_timeout_s)
     worker = PdConnectorWorker(agent, config.block_size, push_timeout_s=agent.config.push_timeout_s,
                                unregistered_timeout_s=agent.config.lease_s)
     return ConnectorBundle(scheduler=scheduler, worker=worker, agent=agent, planes=planes,

@@ -11,6 +11,8 @@ from typing import Any
 
 import msgspec
 
+from pdserve.ids import TransferId
+
 PROTOCOL_VERSION = 1
 
 
@@ -75,7 +77,7 @@ class Ack(Message, tag="ack"):
 class PushRegister(Message, tag="push_register"):
     """Push mode: D's blocks for a transfer, so P can write each layer into them as it is computed."""
 
-    transfer_id: str
+    transfer_id: TransferId
     block_ids: list[int]  # the consumer's blocks for the prompt's blocks first_block, first_block + 1, ...
     first_block: int  # blocks before this one the consumer already has (its own prefix-cache hit)
     num_tokens: int
@@ -86,7 +88,7 @@ class PushRegister(Message, tag="push_register"):
 
 
 class WriteDone(Message, tag="write_done"):
-    transfer_id: str
+    transfer_id: TransferId
     token: str
     ok: bool = True
     error: str = ""
@@ -113,7 +115,7 @@ class ECData(Message, tag="ec_data"):
 class PrefillRequest(Message, tag="prefill_request"):
     """Decode-first mode: D asks P to prefill a prompt and hold its KV for D to pull."""
 
-    transfer_id: str
+    transfer_id: TransferId
     prompt_token_ids: list[int]
     request_id: str
 

@@ -1,15 +1,24 @@
-"""`kv_transfer_params` as vLLM's NIXL connector shapes them, parsed into typed requests (or a clear error).
+"""`kv_transfer_params`, the one typed contract between clients, the gateway and instances.
 
-A prefill leg carries ``{"do_remote_decode": true}``; P answers with the params a decode leg needs:
-``do_remote_prefill``, ``remote_block_ids`` (a list per KV group), ``remote_engine_id``, ``remote_request_id``
-(P's own internal id), ``remote_host``, ``remote_port`` (P's side channel) and ``tp_size``. pdserve adds
-``transfer_token`` (the read capability) and ``remote_num_tokens``; routers pass unknown keys through.
+Fields as vLLM's NIXL connector shapes them: a prefill leg carries ``{"do_remote_decode": true}``; P answers with
+the params a decode leg needs: ``do_remote_prefill``, ``remote_block_ids`` (a list per KV group),
+``remote_engine_id``, ``remote_request_id`` (P's own internal id), ``remote_host``, ``remote_port`` (P's side
+channel) and ``tp_size``. pdserve adds ``transfer_id`` (the gateway's, shared by every leg), ``transfer_token``
+(the read capability), ``transfer_mode`` (pull or push), ``remote_num_tokens``, ``remote_prefill_cached_tokens``
+and, for decode-first, ``remote_prefill_url``. Routers pass unknown keys through.
+
+A body's dict is parsed here once, where the server reads the request, and only these types travel below that.
+Each type writes its own wire dict (`to_wire`), so every producer of the wire form (the instance's answers, the
+gateway's legs, the decode-first client) writes the same keys in the same order. This module imports no torch:
+the gateway uses it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from pdserve.ids import TransferId
 
 
 class KVParamsError(ValueError):
@@ -20,8 +29,15 @@ class KVParamsError(ValueError):
 class RemoteDecode:
     """This instance prefills and holds the KV for a decode instance to take (pull) or writes it there (push)."""
 
-    transfer_id: str | None
+    transfer_id: TransferId | None
     push: bool = False
+
+    def to_wire(self) -> dict[str, Any]:
+        """The prefill leg's params (the gateway's, or a decode-first D's)."""
+        wire: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": self.transfer_id}
+        if self.push:
+            wire["transfer_mode"] = "push"
+        return wire
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,9 +50,42 @@ class RemotePrefill:
     remote_key: str | None  # P's request id (pull); None in push mode, where the transfer_id is the key
     block_ids: tuple[int, ...] | None  # pull mode; None in push mode
     token: str | None
-    transfer_id: str | None
+    transfer_id: TransferId | None
     mode: str  # "pull" or "push"
     num_tokens: int | None = None
+    cached_tokens: int | None = None  # P's own prefix-cache hits, which D reports as the request's cached tokens
+
+    def to_wire(self) -> dict[str, Any]:
+        """Pull: what P answers after holding the KV. Push: what the gateway sends D (P's side channel)."""
+        if self.mode == "push":
+            return {"do_remote_prefill": True, "do_remote_decode": False, "transfer_mode": "push",
+                    "transfer_id": self.transfer_id, "remote_engine_id": self.engine_id,
+                    "remote_host": self.host, "remote_port": self.port}
+        wire: dict[str, Any] = {
+            "do_remote_prefill": True, "do_remote_decode": False,
+            "remote_block_ids": [list(self.block_ids or ())], "remote_engine_id": self.engine_id,
+            "remote_request_id": self.remote_key, "remote_host": self.host, "remote_port": self.port, "tp_size": 1,
+            "transfer_token": self.token, "remote_num_tokens": self.num_tokens, "transfer_mode": "pull",
+            "remote_prefill_cached_tokens": self.cached_tokens,
+        }
+        if self.transfer_id is not None:
+            wire["transfer_id"] = self.transfer_id
+        return wire
+
+
+@dataclass(frozen=True, slots=True)
+class PushHeld:
+    """P's answer to a push-mode prefill: the KV stays held until the push completes, D gives up, or no D
+    registers within the deadline. Informational (D was told where P is by the gateway), so never parsed back."""
+
+    transfer_id: TransferId
+    num_tokens: int
+    cached_tokens: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": self.transfer_id,
+                "transfer_mode": "push", "remote_num_tokens": self.num_tokens,
+                "remote_prefill_cached_tokens": self.cached_tokens}
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +93,26 @@ class DecodeFirst:
     """Decode-first mode: this (decode) instance must ask the prefill instance at `prefill_url` itself."""
 
     prefill_url: str
-    transfer_id: str | None
+    transfer_id: TransferId | None
+
+    def to_wire(self) -> dict[str, Any]:
+        """The decode leg's params: D is told only where P is."""
+        return {"do_remote_prefill": True, "do_remote_decode": False, "remote_prefill_url": self.prefill_url,
+                "transfer_id": self.transfer_id}
+
+
+@dataclass(frozen=True, slots=True)
+class KVRelease:
+    """`POST /v1/kv/release` on a producer: held KV named by (remote_request_id, transfer_token) or transfer_id."""
+
+    key: str | None
+    token: str
+    transfer_id: TransferId | None
+
+
+# What a request may carry into an instance, and what a finished request hands back to its client.
+KVTransferParams = RemoteDecode | RemotePrefill | DecodeFirst
+KVHandOff = RemotePrefill | PushHeld
 
 
 def _flat_block_ids(value: Any, limit: int) -> tuple[int, ...]:
@@ -72,6 +140,11 @@ def _text(params: dict[str, Any], key: str, required: bool = True) -> str | None
     return value
 
 
+def _transfer_id(params: dict[str, Any]) -> TransferId | None:
+    value = _text(params, "transfer_id", required=False)
+    return None if value is None else TransferId(value)
+
+
 def _port(params: dict[str, Any]) -> int:
     port = params.get("remote_port")
     if isinstance(port, str) and port.isdigit():
@@ -81,8 +154,7 @@ def _port(params: dict[str, Any]) -> int:
     return port
 
 
-def parse_kv_params(params: dict[str, Any] | None, max_blocks: int
-                    ) -> RemoteDecode | RemotePrefill | DecodeFirst | None:
+def parse_kv_params(params: Any, max_blocks: int) -> KVTransferParams | None:
     """None for an ordinary request; raises KVParamsError for anything malformed."""
     if params is None:
         return None
@@ -92,7 +164,7 @@ def parse_kv_params(params: dict[str, Any] | None, max_blocks: int
     remote_prefill = params.get("do_remote_prefill") is True
     if remote_decode and remote_prefill:
         raise KVParamsError("kv_transfer_params cannot ask for both do_remote_decode and do_remote_prefill")
-    transfer_id = _text(params, "transfer_id", required=False)
+    transfer_id = _transfer_id(params)
     if remote_decode:
         push = params.get("transfer_mode") == "push"
         if push and transfer_id is None:
@@ -105,6 +177,10 @@ def parse_kv_params(params: dict[str, Any] | None, max_blocks: int
         if not url.startswith("http://"):
             raise KVParamsError("kv_transfer_params.remote_prefill_url must be an http:// URL")
         return DecodeFirst(url.rstrip("/"), transfer_id)
+    return _remote_prefill(params, transfer_id, max_blocks)
+
+
+def _remote_prefill(params: dict[str, Any], transfer_id: TransferId | None, max_blocks: int) -> RemotePrefill:
     tp_size = params.get("tp_size", 1)
     if tp_size not in (1, None):
         raise KVParamsError(f"tp_size {tp_size} is not supported (pdserve instances have one KV shard)")
@@ -115,6 +191,7 @@ def parse_kv_params(params: dict[str, Any] | None, max_blocks: int
     num_tokens = params.get("remote_num_tokens")
     if num_tokens is not None and (not isinstance(num_tokens, int) or num_tokens < 0):
         raise KVParamsError("kv_transfer_params.remote_num_tokens must be a non-negative integer")
+    cached = params.get("remote_prefill_cached_tokens")  # informational: a malformed value is ignored
     return RemotePrefill(
         engine_id=_text(params, "remote_engine_id"),
         host=_text(params, "remote_host"),
@@ -125,4 +202,16 @@ def parse_kv_params(params: dict[str, Any] | None, max_blocks: int
         transfer_id=transfer_id,
         mode=mode,
         num_tokens=num_tokens,
+        cached_tokens=cached if isinstance(cached, int) else None,
     )
+
+
+def parse_release(body: Any) -> KVRelease:
+    """A release names its KV by P's request id (with the token P handed out) or by the gateway's transfer id."""
+    params = body if isinstance(body, dict) else {}
+    key = params.get("remote_request_id")
+    transfer_id = params.get("transfer_id")
+    if not isinstance(key, str) and not isinstance(transfer_id, str):
+        raise KVParamsError("a release names remote_request_id (with transfer_token) or transfer_id")
+    return KVRelease(key if isinstance(key, str) else None, str(params.get("transfer_token") or ""),
+                     TransferId(transfer_id) if isinstance(transfer_id, str) else None)

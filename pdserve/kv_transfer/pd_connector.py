@@ -20,7 +20,7 @@ from pdserve.ids import ReqId, TransferId
 from pdserve.kv_transfer.agent import LoadJob, PushExpectation, TransferAgent
 from pdserve.kv_transfer.base import KVConnectorMetadata, KVConnectorScheduler, KVConnectorWorker
 from pdserve.kv_transfer.messages import PushRegister
-from pdserve.kv_transfer.params import KVParamsError, RemoteDecode, RemotePrefill, parse_kv_params
+from pdserve.kv_transfer.params import KVHandOff, PushHeld, RemoteDecode, RemotePrefill
 from pdserve.kv_transfer.push import PushChunk, PushEnded, PushProducer, PushRegistration
 from pdserve.kv_transfer.translator import TransferMap
 
@@ -35,7 +35,7 @@ class HoldSpec:
     key: str
     token: str
     block_ids: tuple[int, ...]
-    transfer_id: str | None = None
+    transfer_id: TransferId | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +64,7 @@ class PdConnectorMetadata(KVConnectorMetadata):
     push_chunks: list[PushChunk] = field(default_factory=list)  # P: what this step computed for push requests
     push_ended: list[PushEnded] = field(default_factory=list)  # P: push requests that finished
     pushes: list[PushRegistration] = field(default_factory=list)  # D: blocks to register with a P
-    cancel_pushes: list[str] = field(default_factory=list)  # D: transfer ids whose request ended early
+    cancel_pushes: list[TransferId] = field(default_factory=list)  # D: transfer ids whose request ended early
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,9 +77,8 @@ class ProducerIdentity:
 
 
 class PdConnectorScheduler(KVConnectorScheduler):
-    def __init__(self, block_size: int, max_blocks: int, load_timeout_s: float = 60.0) -> None:
+    def __init__(self, block_size: int, load_timeout_s: float = 60.0) -> None:
         self.block_size = block_size
-        self.max_blocks = max_blocks
         self.load_timeout_s = load_timeout_s
         self.identity: ProducerIdentity | None = None
         self._parsed: dict[ReqId, RemoteDecode | RemotePrefill] = {}
@@ -90,11 +89,7 @@ class PdConnectorScheduler(KVConnectorScheduler):
 
     # -- admission ------------------------------------------------------------------------------------------
     def on_new_request(self, request: Request) -> None:
-        try:
-            parsed = parse_kv_params(request.kv_transfer_params, self.max_blocks)
-        except KVParamsError as exc:
-            self._errors[request.request_id] = str(exc)
-            return
+        parsed = request.kv_transfer_params  # parsed and validated where the server read the request
         if parsed is None:
             return
         self._parsed[request.request_id] = parsed
@@ -130,7 +125,7 @@ class PdConnectorScheduler(KVConnectorScheduler):
         if parsed.mode == "push":
             needed = block_ids[first:cdiv(request.num_prompt_tokens, self.block_size)]
             self._pending.pushes.append(PushRegistration(
-                request_id=request.request_id, transfer_id=TransferId(parsed.transfer_id), host=parsed.host,
+                request_id=request.request_id, transfer_id=parsed.transfer_id, host=parsed.host,
                 port=parsed.port, engine_id=parsed.engine_id, first_block=first, block_ids=tuple(needed),
                 num_tokens=request.num_prompt_tokens, token=secrets.token_hex(16)))
             return
@@ -139,10 +134,9 @@ class PdConnectorScheduler(KVConnectorScheduler):
             request_id=request.request_id, host=parsed.host, port=parsed.port, engine_id=parsed.engine_id,
             key=parsed.remote_key, token=parsed.token or "", remote_block_ids=tuple(remote),
             local_block_ids=tuple(block_ids[first:first + len(remote)]), deadline_s=self.load_timeout_s))
-        cached = (request.kv_transfer_params or {}).get("remote_prefill_cached_tokens")
-        if isinstance(cached, int):
+        if parsed.cached_tokens is not None:
             # Report P's own prefix-cache hits, not D's near-total "hit" on transferred blocks (as vLLM does).
-            request.num_cached_tokens = cached
+            request.num_cached_tokens = parsed.cached_tokens
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PdConnectorMetadata:
         meta, self._pending = self._pending, PdConnectorMetadata()
@@ -152,7 +146,7 @@ class PdConnectorScheduler(KVConnectorScheduler):
             parsed = self._parsed.get(item.request_id)
             if isinstance(parsed, RemoteDecode) and parsed.push:
                 meta.push_chunks.append(PushChunk(
-                    item.request_id, TransferId(parsed.transfer_id), tuple(item.block_ids), item.start_position,
+                    item.request_id, parsed.transfer_id, tuple(item.block_ids), item.start_position,
                     item.start_position + len(item.token_ids), last=item.sample))
         return meta
 
@@ -165,7 +159,7 @@ class PdConnectorScheduler(KVConnectorScheduler):
                     or p.pushes or p.cancel_pushes)
 
     # -- endings --------------------------------------------------------------------------------------------
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, KVHandOff | None]:
         rid = request.request_id
         parsed = self._parsed.pop(rid, None)
         was_planned = rid in self._allocated
@@ -192,40 +186,31 @@ class PdConnectorScheduler(KVConnectorScheduler):
         return False, None
 
     def _hand_off(self, request: Request, block_ids: list[int], parsed: RemoteDecode
-                  ) -> tuple[bool, dict[str, Any] | None]:
+                  ) -> tuple[bool, RemotePrefill | None]:
         if request.status not in _HANDOFF_STATUSES or not block_ids or self.identity is None:
             return False, None
         num_blocks = cdiv(request.num_prompt_tokens, self.block_size)
         held = tuple(block_ids[:num_blocks])
         token = secrets.token_hex(16)
         self._pending.holds.append(HoldSpec(request.request_id, token, held, parsed.transfer_id))
-        params = {
-            "do_remote_prefill": True, "do_remote_decode": False,
-            "remote_block_ids": [list(held)], "remote_engine_id": self.identity.engine_id,
-            "remote_request_id": request.request_id, "remote_host": self.identity.host,
-            "remote_port": self.identity.port, "tp_size": 1, "transfer_token": token,
-            "remote_num_tokens": request.num_prompt_tokens, "transfer_mode": "pull",
-            "remote_prefill_cached_tokens": max(request.num_cached_tokens, 0),
-        }
-        if parsed.transfer_id is not None:
-            params["transfer_id"] = parsed.transfer_id
-        return True, params
+        return True, RemotePrefill(
+            engine_id=self.identity.engine_id, host=self.identity.host, port=self.identity.port,
+            remote_key=request.request_id, block_ids=held, token=token, transfer_id=parsed.transfer_id, mode="pull",
+            num_tokens=request.num_prompt_tokens, cached_tokens=max(request.num_cached_tokens, 0))
 
     def _push_ended(self, request: Request, block_ids: list[int], parsed: RemoteDecode
-                    ) -> tuple[bool, dict[str, Any] | None]:
+                    ) -> tuple[bool, PushHeld | None]:
         handed_off = request.status in _HANDOFF_STATUSES and bool(block_ids)
         held = tuple(block_ids[:cdiv(request.num_prompt_tokens, self.block_size)])
-        self._pending.push_ended.append(PushEnded(request.request_id, TransferId(parsed.transfer_id), held,
+        self._pending.push_ended.append(PushEnded(request.request_id, parsed.transfer_id, held,
                                                   request.num_prompt_tokens, handed_off))
         if not handed_off:
             return False, None
         # Held until the push completes, D gives up, or no D registers within the deadline.
-        return True, {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": parsed.transfer_id,
-                      "transfer_mode": "push", "remote_num_tokens": request.num_prompt_tokens,
-                      "remote_prefill_cached_tokens": max(request.num_cached_tokens, 0)}
+        return True, PushHeld(parsed.transfer_id, request.num_prompt_tokens, max(request.num_cached_tokens, 0))
 
     def _push_consumer_ended(self, request: Request, parsed: RemotePrefill, was_planned: bool
-                             ) -> tuple[bool, dict[str, Any] | None]:
+                             ) -> tuple[bool, None]:
         rid = request.request_id
         if rid in self._loading:
             self._pending.cancel_pushes.append(parsed.transfer_id)

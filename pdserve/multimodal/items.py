@@ -16,6 +16,7 @@ from typing import Any
 
 from PIL import Image
 
+from pdserve.ec_transfer.params import ECSource
 from pdserve.engine.request import MultiModalItem
 
 
@@ -60,10 +61,10 @@ def expand_placeholders(token_ids: list[int], image_token_id: int, tokens_per_im
     return out, items
 
 
-def apply_ec_params(items: list[MultiModalItem], ec_transfer_params: dict[str, Any] | None) -> None:
-    """Items an encode instance already holds are loaded, not encoded: optimistic, with no probe (seed 002)."""
+def apply_ec_params(items: list[MultiModalItem], sources: dict[str, ECSource]) -> None:
+    """Items an encode instance already holds are loaded, not encoded: optimistic, with no probe."""
     for item in items:
-        params = (ec_transfer_params or {}).get(item.mm_hash)
-        if isinstance(params, dict) and params.get("do_remote_encode"):
+        source = sources.get(item.mm_hash)
+        if source is not None:
             item.remote = True
-            item.source = params
+            item.source = source

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.ec_transfer.params import ECSource
 from pdserve.engine.request import MultiModalItem
 from pdserve.multimodal.items import ImagePart, PlaceholderError, apply_ec_params, expand_placeholders, mm_hash_of
 from pdserve.multimodal.media import MediaError, MediaPolicy, load_image
@@ -56,7 +57,7 @@ class MultimodalPrompter:
             out.append({**message, "content": content})
         return out
 
-    def build(self, messages: list[dict[str, Any]], ec_transfer_params: dict[str, Any] | None, **template: Any
+    def build(self, messages: list[dict[str, Any]], ec_sources: dict[str, ECSource], **template: Any
               ) -> tuple[list[int], list[MultiModalItem]]:
         parts = self.image_parts(messages)
         token_ids = self.tokenizer.encode_chat(self.template_messages(messages), **template)
@@ -67,5 +68,5 @@ class MultimodalPrompter:
             token_ids, items = expand_placeholders(token_ids, self.image_token_id, self.tokens_per_image, hashes, pixels)
         except PlaceholderError as exc:
             raise MultimodalInputError(str(exc)) from exc
-        apply_ec_params(items, ec_transfer_params)
+        apply_ec_params(items, ec_sources)
         return token_ids, items

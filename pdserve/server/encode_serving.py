@@ -49,14 +49,14 @@ class EncodeServing:
                 continue
             stored = self.ec.holds(mm_hash)
             if stored is not None:
-                params[mm_hash] = stored
+                params[mm_hash] = stored.to_wire()
                 self.reused += 1
             else:
                 pending[mm_hash] = self.prompter.processor(part.image)
         if pending:
             outputs = await self.engine.call(lambda engine: engine.vision.encode(torch.stack(list(pending.values()))))
             for mm_hash, output in zip(pending, outputs, strict=True):
-                params[mm_hash] = await asyncio.to_thread(self.ec.save, mm_hash, output)
+                params[mm_hash] = (await asyncio.to_thread(self.ec.save, mm_hash, output)).to_wire()
             self.encoded += len(pending)
         return {
             "id": f"chatcmpl-{external_id}", "object": "chat.completion", "created": int(time.time()),

@@ -11,32 +11,28 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
+from pdserve.ec_transfer.params import parse_ec_params
 from pdserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestTimeoutError
 from pdserve.engine.llm_engine import PromptError
 from pdserve.engine.output_processor import RequestOutput
 from pdserve.engine.request import MultiModalItem, TokenLogprobs
 from pdserve.ids import ReqId, make_internal_request_id
+from pdserve.kv_transfer.params import RemoteDecode, RemotePrefill
 from pdserve.multimodal.prompt import IMAGE_PART_TYPES, MultimodalInputError, MultimodalPrompter
 from pdserve.sampling_params import SamplingParams, SamplingParamsError
 from pdserve.server.errors import OpenAIError, bad_request, error_body
+from pdserve.server.kv_admission import KVAdmission, KVRequestParams, ParsedKV
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedFieldError
 from pdserve.tokenizer import Tokenizer, TokenizerError
 
 log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
-
-# Validates a body's kv_transfer_params (raising ValueError) and returns what the engine should get.
-KVParamsCheck = Callable[[dict[str, Any] | None, int], dict[str, Any] | None]
-# Told when a request carrying kv_transfer_params is refused before it reaches the engine.
-KVParamsReject = Callable[[dict[str, Any] | None, str], None]
-# Turns parameters that need work before admission (decode-first: ask P to prefill) into loadable ones.
-KVParamsPrepare = Callable[[dict[str, Any] | None, list[int]], Awaitable[dict[str, Any] | None]]
 
 
 @dataclass(slots=True)
@@ -61,44 +57,41 @@ class _Sequence:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, model_name: str, tokenizer: Tokenizer, max_model_len: int,
-                 check_kv_params: KVParamsCheck | None = None, reject_kv_params: KVParamsReject | None = None,
-                 prepare_kv_params: KVParamsPrepare | None = None,
-                 prompter: MultimodalPrompter | None = None) -> None:
+                 kv_params: KVRequestParams | None = None, prompter: MultimodalPrompter | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.check_kv_params = check_kv_params or (lambda params, n: params)
-        self.reject_kv_params = reject_kv_params or (lambda params, reason: None)
-        self.prepare_kv_params = prepare_kv_params
+        self.kv = KVAdmission(kv_params)
         self.prompter = prompter  # set for multimodal models
 
     # -- entry points -----------------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, external_id: str,
                           headers: dict[str, str] | None = None) -> dict | AsyncIterator[bytes]:
-        return await self._refusing_tells_producer(body, self._completions(body, external_id, headers))
+        kv = self.kv.parse(body.kv_transfer_params)
+        return await self._refusing_tells_producer(kv, self._completions(body, kv, external_id, headers))
 
     async def chat(self, body: ChatCompletionRequest, external_id: str,
                    headers: dict[str, str] | None = None) -> dict | AsyncIterator[bytes]:
-        return await self._refusing_tells_producer(body, self._chat(body, external_id, headers))
+        kv = self.kv.parse(body.kv_transfer_params)
+        return await self._refusing_tells_producer(kv, self._chat(body, kv, external_id, headers))
 
-    async def _refusing_tells_producer(self, body: Any, work: Any) -> dict | AsyncIterator[bytes]:
+    async def _refusing_tells_producer(self, kv: ParsedKV, work: Any) -> dict | AsyncIterator[bytes]:
         """A request that holds KV on a prefill instance and is refused here must free it there, at once."""
         try:
             return await work
         except OpenAIError as exc:
-            if body.kv_transfer_params:
-                self.reject_kv_params(body.kv_transfer_params, exc.message)
+            self.kv.refused(kv, exc.message)
             raise
 
-    async def _completions(self, body: CompletionRequest, external_id: str,
+    async def _completions(self, body: CompletionRequest, kv: ParsedKV, external_id: str,
                            headers: dict[str, str] | None) -> dict | AsyncIterator[bytes]:
         self._check_common(body)
         prompts = [self._completion_prompt(p) for p in body.prompts()]
         params = [self._params(body, body.max_tokens, len(p.token_ids)) for p in prompts]
-        return await self._run("completion", body, f"cmpl-{external_id}", prompts, params, headers)
+        return await self._run("completion", body, kv, f"cmpl-{external_id}", prompts, params, headers)
 
-    async def _chat(self, body: ChatCompletionRequest, external_id: str,
+    async def _chat(self, body: ChatCompletionRequest, kv: ParsedKV, external_id: str,
                     headers: dict[str, str] | None) -> dict | AsyncIterator[bytes]:
         self._check_common(body)
         if body.echo:
@@ -106,7 +99,7 @@ class OpenAIServing:
         prompt = await self._chat_prompt(body)
         token_ids = prompt.token_ids
         params = [self._params(body, body.requested_max_tokens(), len(token_ids))]
-        return await self._run("chat", body, f"chatcmpl-{external_id}", [prompt], params, headers)
+        return await self._run("chat", body, kv, f"chatcmpl-{external_id}", [prompt], params, headers)
 
     async def _chat_prompt(self, body: ChatCompletionRequest) -> _Prompt:
         messages = body.message_dicts()
@@ -116,8 +109,8 @@ class OpenAIServing:
         try:
             if self.prompter is not None and has_media(messages):
                 # Decoding and preprocessing images is real work: keep it off the event loop.
-                token_ids, items = await asyncio.to_thread(self.prompter.build, messages, body.ec_transfer_params,
-                                                           **template)
+                sources = parse_ec_params(body.ec_transfer_params)  # the one place they are read
+                token_ids, items = await asyncio.to_thread(self.prompter.build, messages, sources, **template)
                 return _Prompt(token_ids, None, items)
             return _Prompt(self.tokenizer.encode_chat(flatten_messages(messages), **template), None)
         except (TokenizerError, MultimodalInputError) as exc:
@@ -162,15 +155,9 @@ class OpenAIServing:
         return params
 
     # -- running ----------------------------------------------------------------------------------------
-    async def _run(self, kind: str, body: Any, response_id: str, prompts: list[_Prompt],
+    async def _run(self, kind: str, body: Any, kv: ParsedKV, response_id: str, prompts: list[_Prompt],
                    params: list[SamplingParams], headers: dict[str, str] | None) -> dict | AsyncIterator[bytes]:
-        n = params[0].n
-        try:
-            kv_params = self.check_kv_params(body.kv_transfer_params, len(prompts) * n)
-            if kv_params is not None and self.prepare_kv_params is not None:
-                kv_params = await self.prepare_kv_params(kv_params, prompts[0].token_ids)
-        except ValueError as exc:
-            raise bad_request(str(exc), "kv_transfer_params") from exc
+        kv_params = await self.kv.admit(kv, len(prompts) * params[0].n, prompts[0].token_ids)
         sequences: list[_Sequence] = []
         streams: list[AsyncIterator[RequestOutput]] = []
         internal_ids: list[str] = []
@@ -193,11 +180,11 @@ class OpenAIServing:
         return self._response(kind, body, response_id, created, prompts, sequences)
 
     def _generate(self, external_id: str, request_id: ReqId, token_ids: list[int], params: SamplingParams,
-                  kv_params: dict[str, Any] | None, mm_items: list[MultiModalItem] | None = None
+                  kv_params: RemoteDecode | RemotePrefill | None, mm_items: list[MultiModalItem] | None = None
                   ) -> AsyncIterator[RequestOutput]:
         try:
-            self.engine.validate(token_ids, params)
-        except (PromptError, SamplingParamsError) as exc:
+            self.engine.check_prompt(token_ids)  # the sampling params were validated in `_params`
+        except PromptError as exc:
             raise bad_request(str(exc)) from exc
         return self.engine.generate(external_id, token_ids, params, kv_transfer_params=kv_params,
                                     mm_items=mm_items or None, request_id=request_id)
@@ -234,7 +221,7 @@ class OpenAIServing:
             "id": response_id, "object": "text_completion" if kind == "completion" else "chat.completion",
             "created": created, "model": self.model_name, "choices": choices,
             "usage": _usage(prompts, sequences),
-            "kv_transfer_params": sequences[0].final.kv_transfer_params if len(sequences) == 1 else None,
+            "kv_transfer_params": _kv_wire(sequences[0].final) if len(sequences) == 1 else None,
         }
         if kind == "chat" and body.return_token_ids:
             response["prompt_token_ids"] = prompts[0].token_ids
@@ -352,6 +339,10 @@ def _absorb(seq: _Sequence, out: RequestOutput) -> None:
     seq.logprobs.extend(out.new_logprobs)
     if out.finished:
         seq.final = out
+
+
+def _kv_wire(final: RequestOutput) -> dict[str, Any] | None:
+    return None if final.kv_transfer_params is None else final.kv_transfer_params.to_wire()
 
 
 def _raise_if_failed(final: RequestOutput | None) -> None:
