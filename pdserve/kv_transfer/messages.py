@@ -11,6 +11,8 @@ from typing import Any
 
 import msgspec
 
+from pdserve.ids import TransferId
+
 PROTOCOL_VERSION = 1
 
 
@@ -75,7 +77,7 @@ class Ack(Message, tag="ack"):
 class PushRegister(Message, tag="push_register"):
     """Push mode: D's blocks for a transfer, so P can write each layer into them as it is computed."""
 
-    transfer_id: str
+    transfer_id: TransferId
     block_ids: list[int]  # the consumer's blocks for the prompt's blocks first_block, first_block + 1, ...
     first_block: int  # blocks before this one the consumer already has (its own prefix-cache hit)
     num_tokens: int
@@ -86,7 +88,7 @@ class PushRegister(Message, tag="push_register"):
 
 
 class WriteDone(Message, tag="write_done"):
-    transfer_id: str
+    transfer_id: TransferId
     token: str
     ok: bool = True
     error: str = ""
@@ -110,22 +112,8 @@ class ECData(Message, tag="ec_data"):
     checksum: int = 0
 
 
-class PrefillRequest(Message, tag="prefill_request"):
-    """Decode-first mode: D asks P to prefill a prompt and hold its KV for D to pull."""
-
-    transfer_id: str
-    prompt_token_ids: list[int]
-    request_id: str
-
-
-class PrefillReply(Message, tag="prefill_reply"):
-    ok: bool
-    kv_transfer_params: dict[str, Any] = {}
-    error: str = ""
-
-
 AnyMessage = (Handshake | HandshakeReply | ReadGrant | ReadGrantReply | ReadDone | Release | Heartbeat | Ack
-              | PushRegister | WriteDone | ECFetch | ECData | PrefillRequest | PrefillReply)
+              | PushRegister | WriteDone | ECFetch | ECData)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyMessage)
