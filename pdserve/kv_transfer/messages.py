@@ -29,7 +29,6 @@ class HandshakeReply(Message, tag="handshake_reply"):
     ok: bool
     engine_id: str
     compat_hash: str = ""
-    data_plane: str = ""
     data_plane_info: dict[str, Any] = {}
     error: str = ""
 

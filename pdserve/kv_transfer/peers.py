@@ -130,8 +130,7 @@ class Peers:
         ok = message.compat_hash == config.compat_hash
         if not ok:
             self.rt.stats.handshake_refusals += 1
-        return HandshakeReply(ok=ok, engine_id=config.engine_id, compat_hash=config.compat_hash,
-                              data_plane=",".join(config.planes), data_plane_info=info,
+        return HandshakeReply(ok=ok, engine_id=config.engine_id, compat_hash=config.compat_hash, data_plane_info=info,
                               error="" if ok else "incompatible instances: model, dtype, KV layout, block size or "
                                                   "protocol version differ (compatibility hash mismatch)")
 

@@ -45,7 +45,6 @@ class AgentStats:
     """Counters behind ``/metrics``; each owner bumps its own fields."""
 
     bytes_received: int = 0
-    bytes_sent: int = 0
     loads_ok: int = 0
     loads_failed: int = 0
     leases_expired: int = 0

@@ -54,7 +54,8 @@ class PushProducer:
         self.num_layers = num_layers
         self.unregistered_timeout_s = unregistered_timeout_s
         self.sources: dict[TransferId, _Source] = {}
-        self._orphans: dict[TransferId, tuple[PushRegister, float]] = {}  # registrations for transfers we do not know yet
+        # Registrations for transfers we do not know yet, with their arrival time.
+        self._orphans: dict[TransferId, tuple[PushRegister, float]] = {}
         # Transfers that ended here lately: a registration arriving after its transfer was freed (delayed, or after
         # P's deadline) is told "expired", so D recomputes, instead of "denied" as for an id P never had.
         self._ended: OrderedDict[TransferId, None] = OrderedDict()
