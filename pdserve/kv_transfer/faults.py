@@ -139,5 +139,3 @@ class FaultInjector:
             flat = kv[victim].view(-1)
             flat[: max(1, flat.numel() // 64)] += 1.0
 
-
-NO_FAULTS = FaultConfig()

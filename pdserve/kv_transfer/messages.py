@@ -29,7 +29,6 @@ class HandshakeReply(Message, tag="handshake_reply"):
     ok: bool
     engine_id: str
     compat_hash: str = ""
-    data_plane: str = ""
     data_plane_info: dict[str, Any] = {}
     error: str = ""
 
@@ -112,22 +111,8 @@ class ECData(Message, tag="ec_data"):
     checksum: int = 0
 
 
-class PrefillRequest(Message, tag="prefill_request"):
-    """Decode-first mode: D asks P to prefill a prompt and hold its KV for D to pull."""
-
-    transfer_id: TransferId
-    prompt_token_ids: list[int]
-    request_id: str
-
-
-class PrefillReply(Message, tag="prefill_reply"):
-    ok: bool
-    kv_transfer_params: dict[str, Any] = {}
-    error: str = ""
-
-
 AnyMessage = (Handshake | HandshakeReply | ReadGrant | ReadGrantReply | ReadDone | Release | Heartbeat | Ack
-              | PushRegister | WriteDone | ECFetch | ECData | PrefillRequest | PrefillReply)
+              | PushRegister | WriteDone | ECFetch | ECData)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyMessage)

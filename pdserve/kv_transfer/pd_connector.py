@@ -17,10 +17,10 @@ from pdserve.engine.kv_cache_manager import cdiv
 from pdserve.engine.outputs import KVConnectorOutput, SchedulerOutput
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.ids import ReqId, TransferId
-from pdserve.kv_transfer.agent import LoadJob, PushExpectation, TransferAgent
+from pdserve.kv_transfer.agent import TransferAgent
 from pdserve.kv_transfer.base import KVConnectorMetadata, KVConnectorScheduler, KVConnectorWorker
-from pdserve.kv_transfer.messages import PushRegister
 from pdserve.kv_transfer.params import KVHandOff, PushHeld, RemoteDecode, RemotePrefill
+from pdserve.kv_transfer.pull_consumer import LoadJob
 from pdserve.kv_transfer.push import PushChunk, PushEnded, PushProducer, PushRegistration
 from pdserve.kv_transfer.translator import TransferMap
 
@@ -230,6 +230,9 @@ class PdConnectorScheduler(KVConnectorScheduler):
 
 
 class PdConnectorWorker(KVConnectorWorker):
+    """Hands each step's plan to the agent's owners (pull producer and consumer, both ends of push) and
+    collects what finished for the engine."""
+
     def __init__(self, agent: TransferAgent, block_size: int, push_timeout_s: float = 60.0,
                  unregistered_timeout_s: float = 30.0) -> None:
         self.agent = agent
@@ -245,7 +248,7 @@ class PdConnectorWorker(KVConnectorWorker):
 
     def register_kv_caches(self, kv_cache: Any) -> None:
         num_layers = kv_cache.shape[1]
-        self.push = PushProducer(self.agent, self.translator, self.block_size, num_layers,
+        self.push = PushProducer(self.agent.push_producer, self.translator, self.block_size, num_layers,
                                  self.unregistered_timeout_s)
 
     def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
@@ -263,34 +266,27 @@ class PdConnectorWorker(KVConnectorWorker):
             return
         if self.agent.faults.step_delay():
             time.sleep(self.agent.faults.step_delay())
+        pull, leases, pushes = self.agent.pull_consumer, self.agent.pull_producer, self.agent.push_consumer
         for w in meta.watch:
-            self.agent.watch(w.host, w.port, w.key)
+            pull.watch(w.host, w.port, w.key)
         for w in meta.unwatch:
-            self.agent.unwatch(w.host, w.port, w.key)
+            pull.unwatch(w.host, w.port, w.key)
         for hold in meta.holds:
-            self.agent.hold(hold.key, hold.token, list(hold.block_ids), hold.transfer_id)
+            leases.hold(hold.key, hold.token, list(hold.block_ids), hold.transfer_id)
         for job in meta.loads:
-            self.agent.submit_load(job)
+            pull.submit(job)
         for registration in meta.pushes:
-            self._register_push(registration)
+            self.translator.add(registration.transfer_id, registration.request_id)
+            pushes.expect(registration, self.push_timeout_s)
         for transfer_id in meta.cancel_pushes:
-            self.agent.cancel_push(transfer_id)
+            pushes.cancel(transfer_id)
         for r in meta.releases:
-            self.agent.send_release(r.host, r.port, r.key, r.token, r.reason)
+            pull.send_release(r.host, r.port, r.key, r.token, r.reason)
         if self.push is not None:
             self.push.start_step()
 
-    def _register_push(self, r: PushRegistration) -> None:
-        self.translator.add(r.transfer_id, r.request_id)
-        expectation = PushExpectation(r.request_id, r.transfer_id, r.token, tuple(r.block_ids), r.host, r.port,
-                                      time.monotonic() + self.push_timeout_s)
-        register = PushRegister(transfer_id=r.transfer_id, block_ids=list(r.block_ids), first_block=r.first_block,
-                                num_tokens=r.num_tokens, consumer_engine_id=self.agent.config.engine_id,
-                                consumer_host=self.agent.config.host, consumer_port=self.agent.port, token=r.token)
-        self.agent.expect_push(expectation, register)
-
     def has_pending_work(self) -> bool:
-        return self.agent.has_push_work() or (self.push is not None and self.push.has_pending_work())
+        return self.agent.push_producer.has_work() or (self.push is not None and self.push.has_pending_work())
 
     def save_kv_layer(self, layer_index: int) -> None:
         if self.push is not None:
@@ -301,7 +297,7 @@ class PdConnectorWorker(KVConnectorWorker):
             self.push.end_step()
 
     def get_finished(self, finished_req_ids: set[ReqId]) -> tuple[set[ReqId], set[ReqId]]:
-        sending = {ReqId(key) for key in self.agent.take_released()}
+        sending = {ReqId(key) for key in self.agent.pull_producer.take_released()}
         if self.push is not None:
             sending |= self.push.finished_requests()
         recving: set[ReqId] = set()

@@ -1,4 +1,4 @@
-"""The connector's translator between the two id domains (seed 000, DESIGN.md §2).
+"""The connector's translator between the two id domains (see `pdserve.ids`).
 
 ``TransferId`` (minted by the gateway, shared by every leg) names a transfer between instances; ``ReqId`` (this
 instance's own, with its random suffix) names a request to the scheduler. Entries are made when a transfer
@@ -22,12 +22,6 @@ class TransferMap:
             raise ValueError(f"transfer {transfer_id} already belongs to another request")
         self._request_of[transfer_id] = request_id
         self._transfer_of[request_id] = transfer_id
-
-    def request_of(self, transfer_id: TransferId) -> ReqId | None:
-        return self._request_of.get(transfer_id)
-
-    def transfer_of(self, request_id: ReqId) -> TransferId | None:
-        return self._transfer_of.get(request_id)
 
     def remove_request(self, request_id: ReqId) -> TransferId | None:
         transfer_id = self._transfer_of.pop(request_id, None)

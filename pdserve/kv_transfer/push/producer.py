@@ -1,4 +1,4 @@
-"""Push mode: P writes each layer's KV into D's registered blocks as soon as the layer is computed.
+"""P's side of push, on the engine thread: write each layer's KV into D's registered blocks once computed.
 
 D registers its blocks with P's side channel, keyed by the gateway's transfer_id; the registration may arrive
 before P starts, during its prefill, or after it has finished. Blocks P computed before the registration
@@ -15,49 +15,12 @@ from dataclasses import dataclass
 
 from pdserve.engine.kv_cache_manager import cdiv
 from pdserve.ids import ReqId, TransferId
-from pdserve.kv_transfer.agent import TransferAgent
 from pdserve.kv_transfer.messages import PushRegister
+from pdserve.kv_transfer.push.link import ProducerLink
+from pdserve.kv_transfer.push.specs import PushChunk, PushEnded
 from pdserve.kv_transfer.translator import TransferMap
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class PushChunk:
-    """A push request's prefill chunk computed in this step (tokens [start, end))."""
-
-    request_id: ReqId
-    transfer_id: TransferId
-    block_ids: tuple[int, ...]
-    start: int
-    end: int
-    last: bool  # the prompt is complete after this chunk
-
-
-@dataclass(frozen=True, slots=True)
-class PushEnded:
-    """A push request finished on P: `handed_off` if its KV is complete and should reach D."""
-
-    request_id: ReqId
-    transfer_id: TransferId
-    block_ids: tuple[int, ...]
-    num_tokens: int
-    handed_off: bool
-
-
-@dataclass(frozen=True, slots=True)
-class PushRegistration:
-    """D: register these blocks with P for this transfer."""
-
-    request_id: ReqId
-    transfer_id: TransferId
-    host: str
-    port: int
-    engine_id: str
-    first_block: int
-    block_ids: tuple[int, ...]
-    num_tokens: int
-    token: str
 
 
 @dataclass(eq=False)
@@ -83,18 +46,19 @@ _ENDED_REMEMBERED = 16384
 class PushProducer:
     """P's side, inside the worker half: tracks push requests and issues their writes."""
 
-    def __init__(self, agent: TransferAgent, translator: TransferMap, block_size: int, num_layers: int,
+    def __init__(self, link: ProducerLink, translator: TransferMap, block_size: int, num_layers: int,
                  unregistered_timeout_s: float) -> None:
-        self.agent = agent
+        self.link = link
         self.translator = translator
         self.block_size = block_size
         self.num_layers = num_layers
         self.unregistered_timeout_s = unregistered_timeout_s
         self.sources: dict[TransferId, _Source] = {}
-        self._orphans: dict[str, tuple[PushRegister, float]] = {}  # registrations for transfers we do not know yet
+        # Registrations for transfers we do not know yet, with their arrival time.
+        self._orphans: dict[TransferId, tuple[PushRegister, float]] = {}
         # Transfers that ended here lately: a registration arriving after its transfer was freed (delayed, or after
         # P's deadline) is told "expired", so D recomputes, instead of "denied" as for an id P never had.
-        self._ended: OrderedDict[str, None] = OrderedDict()
+        self._ended: OrderedDict[TransferId, None] = OrderedDict()
         self._step: list[PushChunk] = []
         self.expired = 0
 
@@ -130,26 +94,26 @@ class PushProducer:
 
     def start_step(self) -> None:
         """Take what arrived on the side channel: registrations (catch up on them) and releases."""
-        for registration in self.agent.take_registrations():
-            source = self.sources.get(TransferId(registration.transfer_id))
+        for registration in self.link.take_registrations():
+            source = self.sources.get(registration.transfer_id)
             if source is None and registration.transfer_id in self._ended:
-                self.agent.send_write_done(registration, ok=False, refusal="expired",
+                self.link.send_write_done(registration, ok=False, refusal="expired",
                                            error="this instance already freed the transfer's KV")
             elif source is None:  # it may arrive before P has even seen the request
                 self._orphans[registration.transfer_id] = (registration, time.monotonic())
             else:
                 self._attach(source, registration)
-        for transfer_id, token in self.agent.take_push_releases().items():
+        for transfer_id, token in self.link.take_releases().items():
             self._release(transfer_id, token)
         self._expire_orphans()
 
-    def _release(self, transfer_id: str, token: str) -> None:
+    def _release(self, transfer_id: TransferId, token: str) -> None:
         """D gave up: stop writing and answer at once, so D can reuse its blocks without waiting."""
         orphan = self._orphans.get(transfer_id)
         if orphan is not None and orphan[0].token == token:
             del self._orphans[transfer_id]
-            self.agent.send_write_done(orphan[0], ok=False, error="released by the consumer")
-        source = self.sources.get(TransferId(transfer_id))
+            self.link.send_write_done(orphan[0], ok=False, error="released by the consumer")
+        source = self.sources.get(transfer_id)
         if source is None:
             return
         if source.registration is not None and source.registration.token != token:
@@ -203,7 +167,7 @@ class PushProducer:
                 self._remember_ended(transfer_id)
         return out
 
-    def _remember_ended(self, transfer_id: str) -> None:
+    def _remember_ended(self, transfer_id: TransferId) -> None:
         self._ended[transfer_id] = None
         if len(self._ended) > _ENDED_REMEMBERED:
             self._ended.popitem(last=False)
@@ -220,21 +184,21 @@ class PushProducer:
             local.append(source.block_ids[index])
             remote.append(registration.block_ids[index - first])
         if local:
-            self.agent.writer.submit(self._run_write, source, registration, local, remote, layer)
+            self.link.writer.submit(self._run_write, source, registration, local, remote, layer)
 
     def _run_write(self, source: _Source, registration: PushRegister, local: list[int], remote: list[int],
                    layer: int | None) -> None:
         if source.failed or source.released:
             return
         try:
-            self.agent.write_blocks(registration, local, remote, layer)
+            self.link.write_blocks(registration, local, remote, layer)
         except Exception as exc:  # noqa: BLE001 - reported to D through write-done
             source.failed = f"{type(exc).__name__}: {exc}"
             log.warning("push write for %s failed: %s", registration.transfer_id, source.failed)
 
     def _submit_done(self, source: _Source, ok: bool, error: str = "") -> None:
         source.done_submitted = True
-        self.agent.writer.submit(self._run_done, source, ok, error)
+        self.link.writer.submit(self._run_done, source, ok, error)
 
     def _run_done(self, source: _Source, ok: bool, error: str) -> None:
         registration = source.registration
@@ -242,16 +206,16 @@ class PushProducer:
             ok = ok and not source.failed and not source.released
             first = registration.first_block
             ours = list(source.block_ids[first:first + len(registration.block_ids)])
-            self.agent.send_write_done(registration, ok, error or source.failed, source_blocks=ours)
+            self.link.send_write_done(registration, ok, error or source.failed, source_blocks=ours)
         source.done = True
-        self.agent.on_event()
+        self.link.rt.on_event()
 
     def _expire_orphans(self) -> None:
         now = time.monotonic()
         for transfer_id, (registration, arrived) in list(self._orphans.items()):
             if now - arrived > self.unregistered_timeout_s:
                 del self._orphans[transfer_id]
-                self.agent.send_write_done(registration, ok=False, error="this instance has no such transfer",
+                self.link.send_write_done(registration, ok=False, error="this instance has no such transfer",
                                            refusal="denied")
 
     def has_pending_work(self) -> bool:

@@ -1,0 +1,156 @@
+"""Peers: the other instances this one talks to, their side-channel clients and their data channels.
+
+A control client (one DEALER per peer address) carries every message and needs no handshake, so a release
+always gets through. A data channel is opened only after a handshake (compatibility hash, engine id) and on
+the data plane both sides offer; it is dropped after a failure, so the next transfer handshakes afresh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import zmq.asyncio
+
+from pdserve.kv_transfer.data_plane import DataPlaneError, PeerChannel
+from pdserve.kv_transfer.data_plane.shm import host_identity
+from pdserve.kv_transfer.faults import FaultInjector
+from pdserve.kv_transfer.messages import Handshake, HandshakeReply, Message, Release
+from pdserve.kv_transfer.runtime import AgentRuntime
+from pdserve.kv_transfer.side_channel import Capture, SideChannelClient
+
+log = logging.getLogger(__name__)
+
+Address = tuple[str, int]
+
+
+class TransferRefused(DataPlaneError):
+    """The producer refused a transfer: ``refusal`` is "expired" (recompute) or "denied" (fail the request)."""
+
+    def __init__(self, message: str, refusal: str) -> None:
+        super().__init__(message)
+        self.refusal = refusal
+
+
+@dataclass(slots=True)
+class Peer:
+    """A handshaken instance: its identity and an open data channel."""
+
+    engine_id: str
+    channel: PeerChannel
+    plane: str
+
+
+class Peers:
+    """Owns every connection to other instances. Used on the agent's loop only."""
+
+    def __init__(self, rt: AgentRuntime, capture: Capture) -> None:
+        self.rt = rt
+        self.capture = capture
+        self._ctx: zmq.asyncio.Context | None = None
+        self._clients: dict[Address, SideChannelClient] = {}
+        self._peers: dict[Address, Peer] = {}
+        self._locks: dict[Address, asyncio.Lock] = {}
+
+    def start(self, ctx: zmq.asyncio.Context) -> None:
+        self._ctx = ctx
+
+    async def peer(self, host: str, port: int, expected_engine_id: str | None) -> Peer:
+        """A handshaken connection to the instance at host:port, refreshed if its engine id changed."""
+        address = (host, port)
+        async with self._locks.setdefault(address, asyncio.Lock()):
+            peer = self._peers.get(address)
+            if peer is not None and expected_engine_id not in (None, peer.engine_id):
+                self.drop(address)  # the producer restarted: never read from its predecessor
+                peer = None
+            if peer is None:
+                peer = self._peers[address] = await self._handshake_with(host, port)
+            if expected_engine_id not in (None, peer.engine_id):
+                raise TransferRefused(f"the instance at {host}:{port} is engine {peer.engine_id}, not "
+                                      f"{expected_engine_id} named by the transfer parameters", "denied")
+            return peer
+
+    def client(self, host: str, port: int) -> SideChannelClient:
+        """The control connection to a peer; messages on it need no handshake (a release must always get through)."""
+        address = (host, port)
+        client = self._clients.get(address)
+        if client is None:
+            client = self._clients[address] = SideChannelClient(self._ctx, host, port, self.rt.faults, self.capture)
+        return client
+
+    async def request(self, host: str, port: int, message: Message) -> Message:
+        """One request on the control connection, with the agent's message deadline."""
+        return await self.client(host, port).request(message, self.rt.config.message_timeout_s)
+
+    async def release(self, host: str, port: int, key: str, token: str, reason: str) -> None:
+        """Ask a producer to free a transfer now. Best effort: its lease (or deadline) is the backstop."""
+        try:
+            await self.request(host, port, Release(key=key, token=token, reason=reason))
+        except Exception as exc:  # noqa: BLE001 - a release is best effort: the lease is the backstop
+            log.warning("could not release %s at %s:%d (%s); its lease will expire", key, host, port, exc)
+
+    async def notify(self, host: str, port: int, message: Message) -> None:
+        """Deliver a notice whose loss the receiver's own deadline covers."""
+        try:
+            await self.request(host, port, message)
+        except Exception as exc:  # noqa: BLE001 - the receiver's deadline covers an undelivered notice
+            log.warning("could not deliver %s to %s:%d: %s", type(message).__name__, host, port, exc)
+
+    async def _handshake_with(self, host: str, port: int) -> Peer:
+        config = self.rt.config
+        reply = await self.client(host, port).request(
+            Handshake(engine_id=config.engine_id, compat_hash=config.compat_hash), config.handshake_timeout_s)
+        if not isinstance(reply, HandshakeReply):
+            raise DataPlaneError(f"unexpected handshake reply from {host}:{port}: {reply}")
+        if not reply.ok or reply.compat_hash != config.compat_hash:
+            raise DataPlaneError(reply.error or "compatibility hash mismatch")
+        plane_name = self._choose_plane(reply.data_plane_info)
+        channel = await self.rt.off_loop(config.planes[plane_name].connect, reply.data_plane_info[plane_name])
+        return Peer(reply.engine_id, channel, plane_name)
+
+    def _choose_plane(self, offered: dict[str, Any]) -> str:
+        preferred, planes = self.rt.config.preferred_plane, self.rt.config.planes
+        if preferred != "auto":
+            if preferred not in offered or preferred not in planes:
+                raise DataPlaneError(f"the peer does not offer the {preferred} data plane")
+            return preferred
+        same_host = offered.get("shm", {}).get("host_id") == host_identity()
+        if same_host and "shm" in planes:
+            return "shm"
+        if "tcp" in offered and "tcp" in planes:
+            return "tcp"
+        raise DataPlaneError("no data plane in common with the peer")
+
+    async def on_handshake(self, message: Handshake) -> HandshakeReply:
+        """Answer a peer's handshake: our identity, and how to reach our pool on each data plane."""
+        config = self.rt.config
+        info = {name: plane.local_info() for name, plane in config.planes.items()}
+        ok = message.compat_hash == config.compat_hash
+        if not ok:
+            self.rt.stats.handshake_refusals += 1
+        return HandshakeReply(ok=ok, engine_id=config.engine_id, compat_hash=config.compat_hash, data_plane_info=info,
+                              error="" if ok else "incompatible instances: model, dtype, KV layout, block size or "
+                                                  "protocol version differ (compatibility hash mismatch)")
+
+    def drop(self, address: Address) -> None:
+        """Forget a peer's data channel after a failure: the next transfer handshakes afresh.
+
+        The control connection stays: ZeroMQ reconnects it by itself, and other transfers' heartbeats, releases
+        and loads are waiting on it; closing it would fail them all for one peer's slow answer.
+        """
+        peer = self._peers.pop(address, None)
+        if peer is not None:
+            peer.channel.close()
+
+    def set_faults(self, faults: FaultInjector) -> None:
+        for client in list(self._clients.values()):
+            client.sender.faults = faults
+
+    def close(self) -> None:
+        for address in list(self._peers):
+            self.drop(address)
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()

@@ -1,0 +1,157 @@
+"""The consumer side of pull: loads with deadlines, read-done, heartbeats and releases.
+
+D reads a producer's held blocks over the data plane after a read grant (which also brings their checksums),
+then tells P it is done. While a request still needs its remote KV, D's heartbeats keep P's lease alive; when
+D gives up, it asks P to free the blocks at once rather than wait for the lease to run out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from pdserve.ids import ReqId
+from pdserve.kv_transfer.data_plane import DataPlaneError
+from pdserve.kv_transfer.faults import InjectedFault
+from pdserve.kv_transfer.integrity import invalid_blocks
+from pdserve.kv_transfer.messages import Ack, Heartbeat, ReadDone, ReadGrant, ReadGrantReply
+from pdserve.kv_transfer.peers import Address, Peers, TransferRefused
+from pdserve.kv_transfer.runtime import AgentRuntime, LoadResult
+from pdserve.kv_transfer.side_channel import SideChannelError
+
+log = logging.getLogger(__name__)
+
+# Failures a load expects (logged without a traceback); anything else is a bug.
+_EXPECTED = (DataPlaneError, SideChannelError, OSError, TimeoutError, ConnectionError, InjectedFault)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadJob:
+    request_id: ReqId
+    host: str
+    port: int
+    engine_id: str
+    key: str
+    token: str
+    remote_block_ids: tuple[int, ...]
+    local_block_ids: tuple[int, ...]
+    deadline_s: float
+
+
+class PullConsumer:
+    """Owns loads and heartbeats. Thread-safe entry points for the engine thread; the work runs on the loop."""
+
+    def __init__(self, rt: AgentRuntime, peers: Peers) -> None:
+        self.rt = rt
+        self.peers = peers
+        self._lock = threading.Lock()
+        self._completed: list[LoadResult] = []
+        self._heartbeats: dict[Address, set[str]] = {}
+
+    # -- engine thread -------------------------------------------------------------------------------------
+    def submit(self, job: LoadJob) -> None:
+        self.rt.call(self._load(job))
+
+    def take_completed(self) -> list[LoadResult]:
+        with self._lock:
+            out, self._completed = self._completed, []
+        return out
+
+    def watch(self, host: str, port: int, key: str) -> None:
+        """Send heartbeats for this transfer until `unwatch`."""
+        with self._lock:
+            self._heartbeats.setdefault((host, port), set()).add(key)
+
+    def unwatch(self, host: str, port: int, key: str) -> None:
+        with self._lock:
+            keys = self._heartbeats.get((host, port))
+            if keys is not None:
+                keys.discard(key)
+                if not keys:
+                    del self._heartbeats[(host, port)]
+
+    def send_release(self, host: str, port: int, key: str, token: str, reason: str) -> None:
+        """Tell the producer to free a transfer's blocks now (fire and forget, with a deadline)."""
+        self.rt.call(self.peers.release(host, port, key, token, reason))
+
+    # -- the agent's loop ----------------------------------------------------------------------------------
+    async def _load(self, job: LoadJob) -> None:
+        started = time.monotonic()
+        try:
+            nbytes, invalid, plane = await asyncio.wait_for(self._read(job), job.deadline_s)
+        except Exception as exc:  # noqa: BLE001 - any failure must fail this load, never strand the request
+            await self._failed(job, exc, started)
+            return
+        seconds = time.monotonic() - started
+        stats = self.rt.stats
+        stats.loads_ok += 1
+        stats.bytes_received += nbytes
+        stats.load_seconds_total += seconds
+        stats.blocks_invalid += len(invalid)
+        if invalid:
+            log.warning("KV load for %s: %d of %d blocks failed their checksum", job.request_id, len(invalid),
+                        len(job.local_block_ids))
+        # The bytes are in place: let the request run now, and tell P afterwards.
+        self._finish(job, LoadResult(job.request_id, ok=True, nbytes=nbytes, seconds=seconds,
+                                     invalid_blocks=invalid, plane=plane, started_at=started))
+        try:
+            done = await self.peers.request(job.host, job.port, ReadDone(key=job.key, token=job.token))
+            if isinstance(done, Ack) and not done.ok:
+                log.warning("producer did not accept read-done for %s: %s", job.key, done.error)
+        except Exception as exc:  # noqa: BLE001 - the load is done; P's lease covers a lost read-done
+            log.warning("read-done for %s not delivered (%s); P's lease will expire", job.key, exc)
+
+    async def _failed(self, job: LoadJob, exc: Exception, started: float) -> None:
+        error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        log.log(logging.WARNING if isinstance(exc, _EXPECTED) else logging.ERROR,
+                "KV load for %s from %s:%d failed: %s", job.request_id, job.host, job.port, error,
+                exc_info=not isinstance(exc, _EXPECTED))
+        self.rt.stats.loads_failed += 1
+        fatal = isinstance(exc, TransferRefused) and exc.refusal == "denied"
+        self._finish(job, LoadResult(job.request_id, ok=False, error=error, fatal=fatal, started_at=started))
+        if isinstance(exc, (SideChannelError, ConnectionError, OSError)):
+            self.peers.drop((job.host, job.port))
+        await self.peers.release(job.host, job.port, job.key, job.token, "load failed")
+
+    def _finish(self, job: LoadJob, result: LoadResult) -> None:
+        self.unwatch(job.host, job.port, job.key)
+        with self._lock:
+            self._completed.append(result)
+        self.rt.on_event()
+
+    async def _read(self, job: LoadJob) -> tuple[int, list[int], str]:
+        """Copy the granted blocks; returns (bytes, local blocks whose checksum did not match, data plane)."""
+        peer = await self.peers.peer(job.host, job.port, job.engine_id)
+        grant = await self.peers.request(
+            job.host, job.port, ReadGrant(key=job.key, token=job.token, block_ids=list(job.remote_block_ids)))
+        if not isinstance(grant, ReadGrantReply):
+            raise DataPlaneError(getattr(grant, "error", "") or "unexpected answer to a read grant")
+        if not grant.ok:
+            raise TransferRefused(grant.error or "the producer refused the read", grant.refusal or "denied")
+        faults = self.rt.faults
+        stall = faults.before_transfer("read")
+        if stall:
+            await asyncio.sleep(stall)
+        local = list(job.local_block_ids)
+        nbytes = await self.rt.off_loop(peer.channel.read_blocks, job.key, job.token, list(job.remote_block_ids),
+                                        local)
+        if faults.enabled:
+            faults.damage(self.rt.pool, local, faults.lost_blocks(local))
+        invalid = await self.rt.off_loop(invalid_blocks, self.rt.pool, local, grant.checksums)
+        return nbytes, invalid, peer.plane
+
+    async def heartbeat(self) -> None:
+        """Forever: renew the producers' leases on every transfer still watched."""
+        interval = max(0.05, self.rt.config.lease_s / 6)
+        while True:
+            await asyncio.sleep(interval)
+            with self._lock:
+                targets = {address: sorted(keys) for address, keys in self._heartbeats.items() if keys}
+            for (host, port), keys in targets.items():
+                try:
+                    await self.peers.request(host, port, Heartbeat(keys=keys))
+                except Exception as exc:  # noqa: BLE001 - one peer's failure must not stop the others' heartbeats
+                    log.warning("heartbeat to %s:%d failed: %s", host, port, exc)

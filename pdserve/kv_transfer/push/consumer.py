@@ -1,0 +1,172 @@
+"""D's side of push: register blocks with a producer, let only its writes in, and wait for its write-done.
+
+The blocks stay D's to fill until P's write-done (or a failure notice) arrives, or the registration's deadline
+passes; if D's request ends first, it asks P to stop and still waits for P's last word (or a short grace), so
+no late write lands in blocks D has reused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from pdserve.ids import ReqId, TransferId
+from pdserve.kv_transfer.data_plane import DataPlaneError
+from pdserve.kv_transfer.integrity import invalid_blocks
+from pdserve.kv_transfer.messages import Ack, PushRegister, WriteDone
+from pdserve.kv_transfer.peers import Peers
+from pdserve.kv_transfer.push.specs import PushRegistration
+from pdserve.kv_transfer.runtime import AgentRuntime, LoadResult
+
+log = logging.getLogger(__name__)
+
+# After giving up on a push, how long to wait for the producer's last word before reusing the blocks.
+_GIVE_UP_GRACE_S = 2.0
+
+
+@dataclass(slots=True)
+class PushExpectation:
+    """Blocks registered with a producer, waiting for its writes and write-done."""
+
+    request_id: ReqId
+    transfer_id: TransferId
+    token: str
+    block_ids: tuple[int, ...]
+    host: str
+    port: int
+    deadline: float
+    started_at: float
+    cancelled: bool = False
+    plane: str = ""  # the data plane P writes over, once the handshake chose it
+
+
+class PushConsumer:
+    """Owns the registrations. Thread-safe entry points for the engine thread; the work runs on the loop."""
+
+    def __init__(self, rt: AgentRuntime, peers: Peers) -> None:
+        self.rt = rt
+        self.peers = peers
+        self._lock = threading.Lock()
+        self._expected: dict[TransferId, PushExpectation] = {}
+        self._completed: list[LoadResult] = []
+
+    # -- engine thread -------------------------------------------------------------------------------------
+    def expect(self, r: PushRegistration, timeout_s: float) -> None:
+        """Register our blocks with the producer; they are freed if its write-done is not in by `timeout_s`."""
+        now = time.monotonic()
+        expectation = PushExpectation(r.request_id, r.transfer_id, r.token, tuple(r.block_ids), r.host, r.port,
+                                      now + timeout_s, now)
+        register = PushRegister(transfer_id=r.transfer_id, block_ids=list(r.block_ids), first_block=r.first_block,
+                                num_tokens=r.num_tokens, consumer_engine_id=self.rt.config.engine_id,
+                                consumer_host=self.rt.config.host, consumer_port=self.rt.port, token=r.token)
+        with self._lock:
+            self._expected[expectation.transfer_id] = expectation
+        self.rt.call(self._register(expectation, register))
+
+    def cancel(self, transfer_id: TransferId) -> None:
+        """The request ended: ask the producer to stop; blocks stay ours until its write-done."""
+        with self._lock:
+            expectation = self._expected.get(transfer_id)
+            if expectation is None:
+                return
+            expectation.cancelled = True
+        self.rt.call(self.peers.release(expectation.host, expectation.port, transfer_id, expectation.token,
+                                        "consumer ended"))
+
+    def give_up(self, transfer_id: TransferId) -> bool:
+        """The gateway says this push will not come (its prefill leg failed); compute locally soon.
+
+        Our blocks are reused only after P's write-done, or a short grace if P is gone, so no late write can
+        land in KV we recompute.
+        """
+        with self._lock:
+            expectation = self._expected.get(transfer_id)
+            if expectation is None:
+                return False
+            expectation.cancelled = True
+            expectation.deadline = min(expectation.deadline, time.monotonic() + _GIVE_UP_GRACE_S)
+        self.rt.call(self.peers.release(expectation.host, expectation.port, transfer_id, expectation.token,
+                                        "prefill leg failed"))
+        return True
+
+    def take_completed(self) -> list[LoadResult]:
+        with self._lock:
+            out, self._completed = self._completed, []
+        return out
+
+    def num_expected(self) -> int:
+        with self._lock:
+            return len(self._expected)
+
+    # -- the agent's loop ----------------------------------------------------------------------------------
+    def authorize_write(self, key: str, token: str, block_ids: list[int]) -> str | None:
+        """A producer may write only into the blocks registered for its transfer, with its token."""
+        with self._lock:
+            expectation = self._expected.get(TransferId(key))
+            if expectation is None or expectation.cancelled:
+                return f"no registration for transfer {key!r}"
+            if token != expectation.token:
+                return f"wrong transfer token for {key!r}"
+            if not set(block_ids) <= set(expectation.block_ids):
+                return f"blocks outside the registration of {key!r}"
+        return None
+
+    async def _register(self, expectation: PushExpectation, register: PushRegister) -> None:
+        try:
+            peer = await self.peers.peer(expectation.host, expectation.port, None)  # the producer must be compatible
+            expectation.plane = peer.plane
+            reply = await self.peers.request(expectation.host, expectation.port, register)
+            if not isinstance(reply, Ack) or not reply.ok:
+                raise DataPlaneError(getattr(reply, "error", "") or "the producer refused the registration")
+        except Exception as exc:  # noqa: BLE001 - any failure must end the push, never strand the request
+            self._complete(expectation.transfer_id, ok=False, error=f"registration failed: {exc}")
+
+    async def on_write_done(self, message: WriteDone) -> Ack:
+        with self._lock:
+            expectation = self._expected.get(message.transfer_id)
+        if expectation is None:
+            return Ack(ok=False, error=f"no registration for transfer {message.transfer_id!r}")
+        if message.token != expectation.token:
+            return Ack(ok=False, error=f"wrong transfer token for {message.transfer_id!r}")
+        invalid: list[int] = []
+        if message.ok:
+            invalid = await self.rt.off_loop(invalid_blocks, self.rt.pool, list(expectation.block_ids),
+                                             message.checksums)
+            self.rt.stats.blocks_invalid += len(invalid)
+        self._complete(message.transfer_id, message.ok, message.error, invalid, fatal=message.refusal == "denied")
+        return Ack(ok=True)
+
+    def _complete(self, transfer_id: TransferId, ok: bool, error: str = "", invalid: list[int] | None = None,
+                  fatal: bool = False) -> None:
+        with self._lock:
+            expectation = self._expected.pop(transfer_id, None)
+            if expectation is None:
+                return
+            ok = ok and not expectation.cancelled
+            self._completed.append(LoadResult(
+                expectation.request_id, ok=ok, error=error, fatal=fatal and not ok,
+                invalid_blocks=list(invalid or ()) if ok else [], plane=expectation.plane,
+                started_at=expectation.started_at))
+        if ok:
+            self.rt.stats.push_done_ok += 1
+        else:
+            self.rt.stats.push_done_failed += 1
+            log.warning("push transfer %s ended without the KV: %s", transfer_id, error or "cancelled")
+        self.rt.on_event()
+
+    async def watch(self) -> None:
+        """Forever: end registrations whose producer did not finish in time, and tell it to stop."""
+        while True:
+            await asyncio.sleep(0.1)
+            now = time.monotonic()
+            with self._lock:
+                late = [e for e in self._expected.values() if e.deadline <= now]
+            for expectation in late:
+                self.rt.stats.push_registration_timeouts += 1
+                self._complete(expectation.transfer_id, ok=False,
+                               error=f"no write-done within {self.rt.config.push_timeout_s} s")
+                asyncio.create_task(self.peers.release(expectation.host, expectation.port, expectation.transfer_id,
+                                                       expectation.token, "registration timed out"))

@@ -1,0 +1,89 @@
+"""P's end of push on the agent: what arrives from consumers, and the writes and notices that go back.
+
+Registrations and releases arrive on the agent's loop and wait here until the engine thread's
+``PushProducer`` takes them at its next step. Writes go out on one writer thread, so a transfer's writes land
+in the order they were issued (catch-up before layers) and its write-done follows the last of them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from pdserve.ids import TransferId
+from pdserve.kv_transfer.integrity import block_checksums
+from pdserve.kv_transfer.messages import Ack, PushRegister, WriteDone
+from pdserve.kv_transfer.peers import Peers
+from pdserve.kv_transfer.runtime import AgentRuntime
+
+
+class ProducerLink:
+    def __init__(self, rt: AgentRuntime, peers: Peers) -> None:
+        self.rt = rt
+        self.peers = peers
+        self._lock = threading.Lock()
+        self._registrations: list[PushRegister] = []  # arrived, not yet taken by the engine thread
+        self._releases: dict[TransferId, str] = {}  # transfer_id -> token, transfers the consumer gave up on
+        self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdserve-push-writer")
+
+    # -- the agent's loop ----------------------------------------------------------------------------------
+    async def on_register(self, message: PushRegister) -> Ack:
+        with self._lock:
+            self._registrations.append(message)
+        self.rt.on_event()
+        return Ack(ok=True)
+
+    def on_release(self, key: str, token: str) -> None:
+        """A release for no lease may be a push transfer's: the producer checks at its next step."""
+        with self._lock:
+            self._releases[TransferId(key)] = token
+
+    # -- engine thread -------------------------------------------------------------------------------------
+    def take_registrations(self) -> list[PushRegister]:
+        with self._lock:
+            out, self._registrations = self._registrations, []
+        return out
+
+    def take_releases(self) -> dict[TransferId, str]:
+        with self._lock:
+            out, self._releases = self._releases, {}
+        return out
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._registrations or self._releases)
+
+    # -- writer thread -------------------------------------------------------------------------------------
+    def write_blocks(self, registration: PushRegister, local_ids: list[int], remote_ids: list[int],
+                     layer: int | None) -> None:
+        """Copy blocks (or one layer of them) into the consumer's registered blocks."""
+        faults = self.rt.faults
+        stall = faults.before_transfer("write")
+        if stall:
+            time.sleep(stall)
+        peer = self.rt.call_and_wait(
+            self.peers.peer(registration.consumer_host, registration.consumer_port, registration.consumer_engine_id),
+            self.rt.config.handshake_timeout_s + 1)
+        lost = faults.lost_blocks(local_ids) if faults.enabled else set()
+        pairs = [(s, d) for s, d in zip(local_ids, remote_ids, strict=True) if s not in lost]
+        if not pairs:
+            return
+        local_ids, remote_ids = [s for s, _ in pairs], [d for _, d in pairs]
+        self.rt.stats.push_bytes_sent += peer.channel.write_blocks(registration.transfer_id, registration.token,
+                                                                   local_ids, remote_ids, layer)
+        self.rt.stats.push_writes += 1
+
+    def send_write_done(self, registration: PushRegister, ok: bool, error: str = "",
+                        source_blocks: list[int] | None = None, refusal: str = "") -> None:
+        """Tell the consumer its blocks are complete (or will not be). Called after the writes, in order.
+
+        With `source_blocks` (ours, in registration order), the message carries their checksums.
+        """
+        checksums = block_checksums(self.rt.pool, source_blocks) if ok and source_blocks else []
+        message = WriteDone(transfer_id=registration.transfer_id, token=registration.token, ok=ok, error=error,
+                            checksums=checksums, refusal=refusal)
+        self.rt.call(self.peers.notify(registration.consumer_host, registration.consumer_port, message))
+
+    def close(self) -> None:
+        self.writer.shutdown(wait=False, cancel_futures=True)

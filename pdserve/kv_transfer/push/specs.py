@@ -1,0 +1,45 @@
+"""What the scheduler half tells the worker half about push transfers, step by step (connector metadata)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.ids import ReqId, TransferId
+
+
+@dataclass(frozen=True, slots=True)
+class PushChunk:
+    """P: a push request's prefill chunk computed in this step (tokens [start, end))."""
+
+    request_id: ReqId
+    transfer_id: TransferId
+    block_ids: tuple[int, ...]
+    start: int
+    end: int
+    last: bool  # the prompt is complete after this chunk
+
+
+@dataclass(frozen=True, slots=True)
+class PushEnded:
+    """P: a push request finished: `handed_off` if its KV is complete and should reach D."""
+
+    request_id: ReqId
+    transfer_id: TransferId
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    handed_off: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PushRegistration:
+    """D: register these blocks with P for this transfer."""
+
+    request_id: ReqId
+    transfer_id: TransferId
+    host: str
+    port: int
+    engine_id: str
+    first_block: int
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    token: str
