@@ -35,8 +35,8 @@ from pdserve.models.clip_vision import (
 from pdserve.models.config import ModelConfigError, text_config_of
 from pdserve.models.image_processor import ClipImageProcessor, load_image_processor
 from pdserve.models.llama import LlamaForCausalLM
+from pdserve.models.loaded import LoadedModel
 from pdserve.models.loader import iter_checkpoint, load_text_weights, text_weight_key
-from pdserve.models.registry import LoadedModel
 
 # LlavaConfig's defaults for its sub-configs (llava-1.5's CLIP ViT-L/14-336 and a Llama): hub configs such as
 # llava-hf/llava-1.5-7b-hf list only the keys that differ from these.

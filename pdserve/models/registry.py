@@ -3,22 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from pdserve.models.config import ModelConfigError, TextModelConfig, architecture_of, parse_text_config, read_config_json
+from pdserve.models.config import ModelConfigError, architecture_of, parse_text_config, read_config_json
 from pdserve.models.llama import LlamaForCausalLM
+from pdserve.models.loaded import LoadedModel
 from pdserve.models.loader import iter_checkpoint, load_text_weights
 
-
-@dataclass(slots=True)
-class LoadedModel:
-    text_config: TextModelConfig
-    model: LlamaForCausalLM
-    # Set for multimodal architectures (LLaVA): the vision tower and projector.
-    vision: object | None = None
+__all__ = ["MODEL_REGISTRY", "LoadedModel", "load_model"]
 
 
 Builder = Callable[[Path, dict, torch.dtype, torch.device, int], LoadedModel]
@@ -33,7 +27,7 @@ def build_llama_family(model_dir: Path, raw: dict, dtype: torch.dtype, device: t
 
 def build_llava(model_dir: Path, raw: dict, dtype: torch.dtype, device: torch.device,
                 max_positions: int) -> LoadedModel:
-    from pdserve.models.llava import build_llava as build  # llava imports this module (LoadedModel)
+    from pdserve.models.llava import build_llava as build  # image processing loads only for a multimodal model
 
     return build(model_dir, raw, dtype, device, max_positions)
 
