@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pdserve.models.config import ModelConfigError, parse_dtype
+from pdserve.models.config import (ModelConfigError, ModelSpec, checkpoint_dtype, parse_dtype, read_config_json,
+                                   text_config_of)
 
 if TYPE_CHECKING:
     import torch
@@ -52,6 +53,13 @@ class EngineConfig:
     @property
     def model_name(self) -> str:
         return self.served_model_name or str(self.model)
+
+    def resolve_model(self) -> ModelSpec:
+        """Read the model's config.json, the one time startup does, and resolve dtype and context length."""
+        raw = read_config_json(self.model)
+        dtype = self.torch_dtype(checkpoint_dtype(raw))
+        text = text_config_of(raw)
+        return ModelSpec(self.model, raw, text, dtype, self.resolve_max_model_len(text.max_position_embeddings))
 
     def torch_dtype(self, config_dtype: torch.dtype | None) -> torch.dtype:
         import torch

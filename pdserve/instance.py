@@ -23,8 +23,9 @@ from pdserve.server.serving import OpenAIServing
 class Instance:
     def __init__(self, config: EngineConfig, request_timeout_s: float = 600.0) -> None:
         self.config = config
-        self.connectors = build_connectors(config)
-        self.engine = LLMEngine(config, self.connectors)
+        model = config.resolve_model()
+        self.connectors = build_connectors(config, model)
+        self.engine = LLMEngine(config, self.connectors, model)
         self.async_engine = AsyncEngine(self.engine, request_timeout_s)
 
     async def start(self, advertised_host: str = "127.0.0.1") -> FastAPI:

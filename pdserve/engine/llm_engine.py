@@ -18,7 +18,7 @@ from pdserve.engine.request import MultiModalItem, Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.ids import ReqId, make_internal_request_id
 from pdserve.kv_transfer.params import RemoteDecode, RemotePrefill
-from pdserve.models.config import ModelConfigError, parse_dtype, read_config_json
+from pdserve.models.config import ModelConfigError, ModelSpec, read_config_json
 from pdserve.sampling_params import SamplingParams
 from pdserve.tokenizer import Tokenizer
 
@@ -48,20 +48,18 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, connectors: Any = None) -> None:
-        """`connectors` (see pdserve.kv_transfer.factory) supplies connector halves and the KV allocator."""
+    def __init__(self, config: EngineConfig, connectors: Any = None, model: ModelSpec | None = None) -> None:
+        """`connectors` (see pdserve.kv_transfer.factory) supplies connector halves and the KV allocator; `model`
+        is the resolved config.json when the caller already read it (an instance does, for its connectors)."""
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        raw = read_config_json(config.model)
-        text_raw = raw.get("text_config", raw)
-        self.dtype = config.torch_dtype(checkpoint_dtype(raw))
-        max_positions = int(text_raw.get("max_position_embeddings", 2048))
-        self.max_model_len = config.resolve_max_model_len(max_positions)
+        model = model or config.resolve_model()
+        self.dtype = model.dtype
+        self.max_model_len = model.max_model_len
         self.tokenizer = Tokenizer(config.tokenizer or config.model)
         worker_half = connectors.worker if connectors is not None else None
-        self.runner = ModelRunner(config.model, self.dtype, self.max_model_len, config.block_size, config.seed,
-                                  config.device, connector=worker_half)
+        self.runner = ModelRunner(model, config.block_size, config.seed, config.device, connector=worker_half)
         self.vocab_size = self.runner.cfg.vocab_size
         self.eos_token_ids = self.tokenizer.eos_token_ids or self.runner.cfg.eos_token_ids
         num_blocks = config.resolve_num_blocks(self.runner.kv_block_bytes(), self.max_model_len)
@@ -177,14 +175,6 @@ def max_sequence_length(config: EngineConfig, max_model_len: int, num_blocks: in
     if not config.enable_chunked_prefill:
         limit = min(limit, config.max_num_batched_tokens)
     return limit
-
-
-def checkpoint_dtype(raw: dict[str, Any]) -> torch.dtype | None:
-    for section in (raw.get("text_config") or {}, raw):
-        name = section.get("dtype") or section.get("torch_dtype")
-        if name:
-            return parse_dtype(name)
-    return None
 
 
 def check_model_dir(config: EngineConfig) -> None:
