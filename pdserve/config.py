@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdserve.models.config import (ModelConfigError, ModelSpec, checkpoint_dtype, parse_dtype, read_config_json,
                                    text_config_of)
+from pdserve.utils import cdiv
 
 if TYPE_CHECKING:
     import torch
@@ -85,8 +86,8 @@ class EngineConfig:
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
         if self.role == "encode":  # it runs only the vision encoder: a token KV cache keeps the engine whole
-            return -(-max_model_len // self.block_size)
+            return cdiv(max_model_len, self.block_size)
         by_memory = int(self.kv_cache_memory_gib * (1 << 30)) // block_bytes
         # Never more than every sequence at full length could use: no point reserving memory nobody can fill.
-        by_need = self.max_num_seqs * -(-max_model_len // self.block_size)
-        return max(min(by_memory, by_need), -(-max_model_len // self.block_size))
+        by_need = self.max_num_seqs * cdiv(max_model_len, self.block_size)
+        return max(min(by_memory, by_need), cdiv(max_model_len, self.block_size))

@@ -38,8 +38,11 @@ def test_instance_reads_config_json_once(models, tmp_path: Path, monkeypatch: py
 
 
 def test_gateway_imports_no_torch() -> None:
-    # The gateway is a separate, light process: it must not pay for (or depend on) torch.
-    code = "import pdserve.gateway.app, pdserve.gateway.cli, sys; assert 'torch' not in sys.modules, 'torch imported'"
+    # The gateway is a separate, light process: it must not pay for (or depend on) torch, nor reach it through
+    # modules that import torch only lazily (the engine's config, the models).
+    code = ("import pdserve.gateway.app, pdserve.gateway.cli, sys; assert 'torch' not in sys.modules, 'torch imported'; "
+            "heavy = sorted(m for m in sys.modules if m.startswith(('pdserve.engine', 'pdserve.models', 'pdserve.config'))); "
+            "assert not heavy, heavy")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert result.returncode == 0, result.stderr

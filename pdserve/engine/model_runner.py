@@ -7,16 +7,16 @@ from collections.abc import Callable
 
 import torch
 
-from pdserve.engine.kv_cache_manager import cdiv
 from pdserve.engine.outputs import KVConnectorOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pdserve.engine.request import MultiModalItem
 from pdserve.engine.sampler import sample
 from pdserve.ids import ReqId
 from pdserve.kv_transfer.base import KVConnectorWorker
 from pdserve.layers.attention import AttentionMetadata, PrefillChunk
-from pdserve.models.llama import ForwardContext, NoHooks
 from pdserve.models.config import ModelSpec
+from pdserve.models.llama import ForwardContext, NoHooks
 from pdserve.models.registry import LoadedModel, build_model
+from pdserve.utils import cdiv
 
 # Allocates the KV cache tensor; data planes that share memory across processes provide their own.
 KVAllocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]

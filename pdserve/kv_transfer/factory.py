@@ -31,6 +31,7 @@ from pdserve.kv_transfer.params import (DecodeFirst, KVParamsError, KVTransferPa
 from pdserve.kv_transfer.pd_connector import PdConnectorScheduler, PdConnectorWorker, ProducerIdentity
 from pdserve.models.config import ModelSpec
 from pdserve.models.loader import checkpoint_files
+from pdserve.utils import cdiv
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +197,7 @@ def build_pd_connector(config: EngineConfig, model: ModelSpec) -> ConnectorBundl
         push_timeout_s=float(extra.get("push_registration_timeout", 60.0)),
         capture_path=extra.get("capture_messages") or os.environ.get("PDSERVE_CAPTURE_MESSAGES"),
         preferred_plane=preferred, planes=planes, faults=resolve_fault_config(extra)))
-    max_blocks = -(-model.max_model_len // config.block_size)
+    max_blocks = cdiv(model.max_model_len, config.block_size)
     scheduler = PdConnectorScheduler(config.block_size, load_timeout_s=agent.config.load_timeout_s)
     worker = PdConnectorWorker(agent, config.block_size, push_timeout_s=agent.config.push_timeout_s,
                                unregistered_timeout_s=agent.config.lease_s)
