@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.ec_transfer.factory import build_ec_connector, ec_policy
+from pdserve.ec_transfer.base import ECConnector
+from pdserve.ec_transfer.factory import ec_policy
 from pdserve.ec_transfer.params import ECSource
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_runner import ModelRunner, default_kv_allocator
@@ -48,9 +49,11 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, connectors: Any = None, model: ModelSpec | None = None) -> None:
+    def __init__(self, config: EngineConfig, connectors: Any = None, model: ModelSpec | None = None,
+                 ec: ECConnector | None = None) -> None:
         """`connectors` (see pdserve.kv_transfer.factory) supplies connector halves and the KV allocator; `model`
-        is the resolved config.json when the caller already read it (an instance does, for its connectors)."""
+        is the resolved config.json when the caller already read it (an instance does, for its connectors); `ec`
+        loads encoder outputs computed elsewhere. The instance builds connectors of both kinds, in one place."""
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -67,9 +70,8 @@ class LLMEngine:
         self.runner.allocate_kv_cache(num_blocks, allocator)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.max_seq_len = max_sequence_length(config, self.max_model_len, num_blocks)
-        self.ec = build_ec_connector(config.ec_transfer_config)
-        if self.ec is not None:
-            self.runner.ec_loader = lambda item: self.ec.load(item.mm_hash, item.source or ECSource())
+        if ec is not None:
+            self.runner.ec_loader = lambda item: ec.load(item.mm_hash, item.source or ECSource())
         sched_cfg = SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_seq_len, enable_chunked_prefill=config.enable_chunked_prefill,
