@@ -7,7 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .tokenizer_files import MissingPackageError, added_tokens_decoder, package_file, write_tokenizer_files
+from .tokenizer_files import (TEXT_OF_MACRO, MissingPackageError, added_tokens_decoder, package_file,
+                              write_tokenizer_files)
 
 MISTRAL_TOKENIZER_SIZE = 32_000
 MISTRAL_UNK_TOKEN = "<unk>"
@@ -20,13 +21,7 @@ MISTRAL_SPECIAL_TOKENS: tuple[str, ...] = (MISTRAL_UNK_TOKEN, MISTRAL_BOS_TOKEN,
 # the first user message. The tokenizer prepends "▁" to the text after every special token, which reproduces
 # mistral-common's encoding of each message on its own. add_generation_prompt has nothing to add: the prompt
 # already ends with [/INST].
-MISTRAL_CHAT_TEMPLATE = r"""
-{%- macro text_of(content) -%}
-  {%- if content is string -%}{{ content }}
-  {%- elif content is not none -%}
-    {%- for part in content -%}{%- if part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}{%- endfor -%}
-  {%- endif -%}
-{%- endmacro -%}
+MISTRAL_CHAT_TEMPLATE = (TEXT_OF_MACRO + r"""
 {%- set system = namespace(parts=[]) -%}
 {%- for message in messages if message['role'] == 'system' -%}
   {%- set system.parts = system.parts + [text_of(message['content'])] -%}
@@ -47,7 +42,7 @@ MISTRAL_CHAT_TEMPLATE = r"""
     {{- raise_exception('the Mistral v1 template supports only system, user and assistant messages') -}}
   {%- endif -%}
 {%- endfor -%}
-""".strip()
+""").strip()
 
 
 def mistral_sentencepiece_file() -> Path:

@@ -7,7 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .tokenizer_files import MissingPackageError, added_tokens_decoder, package_file, write_tokenizer_files
+from .tokenizer_files import (TEXT_OF_MACRO, MissingPackageError, added_tokens_decoder, package_file,
+                              write_tokenizer_files)
 
 # The pre-tokenizer regex of Qwen2 / Qwen2.5 / Qwen3 (single digits, unlike GPT-4's \p{N}{1,3}).
 QWEN2_PATTERN = (
@@ -56,13 +57,7 @@ QWEN_DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 # tools are described in the system turn, assistant tool calls are <tool_call> JSON blocks and consecutive
 # tool results share one user turn of <tool_response> blocks. Content may be a string or an OpenAI-style
 # list of parts (the text parts are concatenated).
-QWEN_CHAT_TEMPLATE = r"""
-{%- macro text_of(content) -%}
-  {%- if content is string -%}{{ content }}
-  {%- elif content is not none -%}
-    {%- for part in content -%}{%- if part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}{%- endfor -%}
-  {%- endif -%}
-{%- endmacro -%}
+QWEN_CHAT_TEMPLATE = (TEXT_OF_MACRO + r"""
 {%- set has_system = messages and messages[0]['role'] == 'system' -%}
 {{- '<|im_start|>system\n' -}}
 {%- if has_system -%}
@@ -109,7 +104,7 @@ QWEN_CHAT_TEMPLATE = r"""
 {%- if add_generation_prompt -%}
   {{- '<|im_start|>assistant\n' -}}
 {%- endif -%}
-""".strip()
+""").strip()
 
 
 def qwen_tiktoken_file() -> Path:

