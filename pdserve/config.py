@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pdserve.models.config import ModelConfigError, parse_dtype
+from pdserve.models.config import (ModelConfigError, ModelSpec, checkpoint_dtype, parse_dtype, read_config_json,
+                                   text_config_of)
+from pdserve.utils import cdiv
 
 if TYPE_CHECKING:
     import torch
@@ -53,6 +55,13 @@ class EngineConfig:
     def model_name(self) -> str:
         return self.served_model_name or str(self.model)
 
+    def resolve_model(self) -> ModelSpec:
+        """Read the model's config.json, the one time startup does, and resolve dtype and context length."""
+        raw = read_config_json(self.model)
+        dtype = self.torch_dtype(checkpoint_dtype(raw))
+        text = text_config_of(raw)
+        return ModelSpec(self.model, raw, text, dtype, self.resolve_max_model_len(text.max_position_embeddings))
+
     def torch_dtype(self, config_dtype: torch.dtype | None) -> torch.dtype:
         import torch
 
@@ -77,8 +86,8 @@ class EngineConfig:
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
         if self.role == "encode":  # it runs only the vision encoder: a token KV cache keeps the engine whole
-            return -(-max_model_len // self.block_size)
+            return cdiv(max_model_len, self.block_size)
         by_memory = int(self.kv_cache_memory_gib * (1 << 30)) // block_bytes
         # Never more than every sequence at full length could use: no point reserving memory nobody can fill.
-        by_need = self.max_num_seqs * -(-max_model_len // self.block_size)
-        return max(min(by_memory, by_need), -(-max_model_len // self.block_size))
+        by_need = self.max_num_seqs * cdiv(max_model_len, self.block_size)
+        return max(min(by_memory, by_need), cdiv(max_model_len, self.block_size))

@@ -8,6 +8,7 @@ import msgspec
 from fastapi import FastAPI, Request, Response
 
 from pdserve.config import EngineConfig
+from pdserve.ec_transfer.factory import build_ec_connector
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv_transfer.factory import build_connectors
@@ -23,8 +24,10 @@ from pdserve.server.serving import OpenAIServing
 class Instance:
     def __init__(self, config: EngineConfig, request_timeout_s: float = 600.0) -> None:
         self.config = config
-        self.connectors = build_connectors(config)
-        self.engine = LLMEngine(config, self.connectors)
+        model = config.resolve_model()
+        self.connectors = build_connectors(config, model)
+        self.ec = build_ec_connector(config.ec_transfer_config)
+        self.engine = LLMEngine(config, self.connectors, model, self.ec)
         self.async_engine = AsyncEngine(self.engine, request_timeout_s)
 
     async def start(self, advertised_host: str = "127.0.0.1") -> FastAPI:
@@ -32,8 +35,8 @@ class Instance:
         bundle = self.connectors
         if bundle is not None:
             await bundle.start(self.async_engine, advertised_host)
-        if self.engine.ec is not None and self._ec_produces():
-            self.engine.ec.start()
+        if self.ec is not None and self._ec_produces():
+            self.ec.start()
         serving = self._serving()
         metrics = ServerMetrics(self.config.model_name, self.engine.stats, self._extra_metrics(serving))
         return build_app(self.async_engine, serving, metrics, self._transfer_routes if bundle else None)
@@ -45,9 +48,9 @@ class Instance:
     def _serving(self) -> OpenAIServing | EncodeServing:
         prompter = self._prompter()
         if self.config.role == "encode":
-            if prompter is None or self.engine.ec is None:
+            if prompter is None or self.ec is None:
                 raise ValueError("an encode instance needs a multimodal model and --ec-transfer-config")
-            return EncodeServing(self.async_engine, self.config.model_name, prompter, self.engine.ec)
+            return EncodeServing(self.async_engine, self.config.model_name, prompter, self.ec)
         bundle = self.connectors
         return OpenAIServing(
             self.async_engine, self.config.model_name, self.engine.tokenizer, self.engine.max_model_len,
@@ -57,8 +60,8 @@ class Instance:
         sources = []
         if self.connectors is not None:
             sources.append(self.connectors.metrics)
-        if self.engine.ec is not None:
-            sources.append(self.engine.ec.stats)
+        if self.ec is not None:
+            sources.append(self.ec.stats)
         if isinstance(serving, EncodeServing):
             sources.append(serving.stats)
 
@@ -117,6 +120,6 @@ class Instance:
     async def stop(self) -> None:
         if self.connectors is not None:
             await self.connectors.stop()
-        if self.engine.ec is not None:
-            self.engine.ec.stop()
+        if self.ec is not None:
+            self.ec.stop()
         self.async_engine.stop()

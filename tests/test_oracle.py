@@ -19,7 +19,7 @@ from transformers import GenerationConfig
 
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.llm import SequenceResult
-from pdserve.models.config import ModelConfigError
+from pdserve.models.config import ModelConfigError, supported_architectures
 from pdserve.models.registry import MODEL_REGISTRY
 from pdserve.sampling_params import SamplingParams
 
@@ -196,3 +196,8 @@ def test_unsupported_architecture_error_lists_supported_ones(models, make_llm, t
     assert "GPT2LMHeadModel" in message
     for arch in MODEL_REGISTRY:
         assert arch in message
+
+
+def test_config_lists_exactly_the_registry_architectures() -> None:
+    # config.py names the architectures itself so that parsing a config never imports model code.
+    assert supported_architectures() == sorted(MODEL_REGISTRY)

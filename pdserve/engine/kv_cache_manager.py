@@ -5,10 +5,7 @@ from __future__ import annotations
 from pdserve.engine.block_pool import ROOT_HASH, BlockHash, BlockPool, KVBlock, hash_block
 from pdserve.engine.request import Request
 from pdserve.ids import ReqId
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from pdserve.utils import cdiv
 
 
 class KVCacheManager:

@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.ec_transfer.factory import build_ec_connector, ec_policy
+from pdserve.ec_transfer.base import ECConnector
+from pdserve.ec_transfer.factory import ec_policy
 from pdserve.ec_transfer.params import ECSource
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_runner import ModelRunner, default_kv_allocator
@@ -18,7 +19,7 @@ from pdserve.engine.request import MultiModalItem, Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.ids import ReqId, make_internal_request_id
 from pdserve.kv_transfer.params import RemoteDecode, RemotePrefill
-from pdserve.models.config import ModelConfigError, parse_dtype, read_config_json
+from pdserve.models.config import ModelConfigError, ModelSpec, read_config_json
 from pdserve.sampling_params import SamplingParams
 from pdserve.tokenizer import Tokenizer
 
@@ -48,20 +49,20 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, connectors: Any = None) -> None:
-        """`connectors` (see pdserve.kv_transfer.factory) supplies connector halves and the KV allocator."""
+    def __init__(self, config: EngineConfig, connectors: Any = None, model: ModelSpec | None = None,
+                 ec: ECConnector | None = None) -> None:
+        """`connectors` (see pdserve.kv_transfer.factory) supplies connector halves and the KV allocator; `model`
+        is the resolved config.json when the caller already read it (an instance does, for its connectors); `ec`
+        loads encoder outputs computed elsewhere. The instance builds connectors of both kinds, in one place."""
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        raw = read_config_json(config.model)
-        text_raw = raw.get("text_config", raw)
-        self.dtype = config.torch_dtype(checkpoint_dtype(raw))
-        max_positions = int(text_raw.get("max_position_embeddings", 2048))
-        self.max_model_len = config.resolve_max_model_len(max_positions)
+        model = model or config.resolve_model()
+        self.dtype = model.dtype
+        self.max_model_len = model.max_model_len
         self.tokenizer = Tokenizer(config.tokenizer or config.model)
         worker_half = connectors.worker if connectors is not None else None
-        self.runner = ModelRunner(config.model, self.dtype, self.max_model_len, config.block_size, config.seed,
-                                  config.device, connector=worker_half)
+        self.runner = ModelRunner(model, config.block_size, config.seed, config.device, connector=worker_half)
         self.vocab_size = self.runner.cfg.vocab_size
         self.eos_token_ids = self.tokenizer.eos_token_ids or self.runner.cfg.eos_token_ids
         num_blocks = config.resolve_num_blocks(self.runner.kv_block_bytes(), self.max_model_len)
@@ -69,9 +70,8 @@ class LLMEngine:
         self.runner.allocate_kv_cache(num_blocks, allocator)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.max_seq_len = max_sequence_length(config, self.max_model_len, num_blocks)
-        self.ec = build_ec_connector(config.ec_transfer_config)
-        if self.ec is not None:
-            self.runner.ec_loader = lambda item: self.ec.load(item.mm_hash, item.source or ECSource())
+        if ec is not None:
+            self.runner.ec_loader = lambda item: ec.load(item.mm_hash, item.source or ECSource())
         sched_cfg = SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_seq_len, enable_chunked_prefill=config.enable_chunked_prefill,
@@ -177,14 +177,6 @@ def max_sequence_length(config: EngineConfig, max_model_len: int, num_blocks: in
     if not config.enable_chunked_prefill:
         limit = min(limit, config.max_num_batched_tokens)
     return limit
-
-
-def checkpoint_dtype(raw: dict[str, Any]) -> torch.dtype | None:
-    for section in (raw.get("text_config") or {}, raw):
-        name = section.get("dtype") or section.get("torch_dtype")
-        if name:
-            return parse_dtype(name)
-    return None
 
 
 def check_model_dir(config: EngineConfig) -> None:

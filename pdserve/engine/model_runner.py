@@ -4,19 +4,19 @@ model and samples. It makes no policy: what to run comes from the scheduler's pl
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-from pdserve.engine.kv_cache_manager import cdiv
 from pdserve.engine.outputs import KVConnectorOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pdserve.engine.request import MultiModalItem
 from pdserve.engine.sampler import sample
 from pdserve.ids import ReqId
 from pdserve.kv_transfer.base import KVConnectorWorker
 from pdserve.layers.attention import AttentionMetadata, PrefillChunk
+from pdserve.models.config import ModelSpec
 from pdserve.models.llama import ForwardContext, NoHooks
-from pdserve.models.registry import LoadedModel, load_model
+from pdserve.models.registry import LoadedModel, build_model
+from pdserve.utils import cdiv
 
 # Allocates the KV cache tensor; data planes that share memory across processes provide their own.
 KVAllocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
@@ -28,12 +28,12 @@ def default_kv_allocator(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Te
 
 
 class ModelRunner:
-    def __init__(self, model_dir: Path, dtype: torch.dtype, max_model_len: int, block_size: int, seed: int = 0,
-                 device: str = "cpu", connector: KVConnectorWorker | None = None) -> None:
+    def __init__(self, spec: ModelSpec, block_size: int, seed: int = 0, device: str = "cpu",
+                 connector: KVConnectorWorker | None = None) -> None:
         self.device = torch.device(device)
-        self.dtype = dtype
+        self.dtype = spec.dtype
         self.block_size = block_size
-        self.loaded: LoadedModel = load_model(model_dir, dtype, self.device, max_model_len)
+        self.loaded: LoadedModel = build_model(spec, self.device)
         self.model = self.loaded.model
         self.cfg = self.loaded.text_config
         self.connector = connector

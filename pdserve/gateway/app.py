@@ -95,7 +95,7 @@ def build_app(gateway: Gateway) -> Any:
             if method != "POST":
                 await _error(send, 405, f"{method} is not allowed on {path}")
                 return
-            await proxy(scope, receive, send, path)
+            await _proxy(gateway, scope, receive, send, path)
         elif path == "/health":
             if gateway.ready:
                 await _respond(send, 200, b"")
@@ -104,9 +104,9 @@ def build_app(gateway: Gateway) -> Any:
         elif path == "/metrics":
             await _respond(send, 200, gateway.metrics.render(), b"text/plain; version=0.0.4; charset=utf-8")
         elif path == "/v1/models":
-            await models(send)
+            await _models(gateway, send)
         elif path in ("/register", "/deregister") and method == "POST":
-            await membership(receive, send, path)
+            await _membership(gateway, receive, send, path)
         elif path == "/instances":
             await _respond(send, 200, _encode([{"url": i.url, "role": i.role, "healthy": i.healthy,
                                                 "in_flight": i.in_flight, "load": i.load}
@@ -114,59 +114,62 @@ def build_app(gateway: Gateway) -> Any:
         else:
             await _error(send, 404, f"no route {method} {path}")
 
-    async def proxy(scope: dict, receive: Any, send: Any, path: str) -> None:
-        try:
-            raw = await _read_body(receive)
-        except ConnectionAbortedError:
-            return
-        except ValueError as exc:
-            await _error(send, 413, str(exc))
-            return
-        try:
-            body = msgspec.json.decode(raw)
-        except msgspec.DecodeError as exc:
-            await _error(send, 400, f"malformed JSON body: {exc}")
-            return
-        if not isinstance(body, dict):
-            await _error(send, 400, "the request body must be a JSON object")
-            return
-        if "kv_transfer_params" in body and not gateway.config.allow_client_kv_params:
-            del body["kv_transfer_params"]  # only the gateway decides where KV comes from
-        request_id = _header(scope, b"x-request-id") or new_external_request_id()
-        response = _ResponseTracker(send)
-        await _until_disconnect(receive, gateway.handle(path, body, request_id, response), response)
-
-    async def models(send: Any) -> None:
-        for role in ("both", "decode", "prefill"):
-            for instance in gateway.registry.usable(role):
-                try:
-                    response = await instance.pool.request("GET", "/v1/models", connect_timeout=2, header_timeout=5)
-                    body = await response.read(5)
-                except (ConnectionError, TimeoutError):
-                    continue
-                if response.status == 200:
-                    await _respond(send, 200, body)
-                    return
-        await _error(send, 503, "no instance could list its models")
-
-    async def membership(receive: Any, send: Any, path: str) -> None:
-        try:
-            data = msgspec.json.decode(await _read_body(receive))
-            url = data["url"]
-            if path == "/register":
-                instance = gateway.registry.add(url, data.get("role", "both"))
-                await gateway.registry.probe_all()
-                await _respond(send, 200, _encode({"url": instance.url, "role": instance.role,
-                                                   "healthy": instance.healthy}))
-            else:
-                removed = gateway.registry.remove(url)
-                await _respond(send, 200 if removed else 404, _encode({"url": url, "removed": removed}))
-        except (msgspec.DecodeError, KeyError, TypeError, ValueError) as exc:
-            await _error(send, 400, f"expected {{\"url\": ..., \"role\": ...}}: {exc}")
-        except ConnectionAbortedError:
-            return
-
     return app
+
+
+async def _proxy(gateway: Gateway, scope: dict, receive: Any, send: Any, path: str) -> None:
+    try:
+        raw = await _read_body(receive)
+    except ConnectionAbortedError:
+        return
+    except ValueError as exc:
+        await _error(send, 413, str(exc))
+        return
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        await _error(send, 400, f"malformed JSON body: {exc}")
+        return
+    if not isinstance(body, dict):
+        await _error(send, 400, "the request body must be a JSON object")
+        return
+    if "kv_transfer_params" in body and not gateway.config.allow_client_kv_params:
+        del body["kv_transfer_params"]  # only the gateway decides where KV comes from
+    request_id = _header(scope, b"x-request-id") or new_external_request_id()
+    response = _ResponseTracker(send)
+    await _until_disconnect(receive, gateway.handle(path, body, request_id, response), response)
+
+
+async def _models(gateway: Gateway, send: Any) -> None:
+    for role in ("both", "decode", "prefill"):
+        for instance in gateway.registry.usable(role):
+            try:
+                response = await instance.pool.request("GET", "/v1/models", connect_timeout=2, header_timeout=5)
+                body = await response.read(5)
+            except (ConnectionError, TimeoutError):
+                continue
+            if response.status == 200:
+                await _respond(send, 200, body)
+                return
+    await _error(send, 503, "no instance could list its models")
+
+
+async def _membership(gateway: Gateway, receive: Any, send: Any, path: str) -> None:
+    try:
+        data = msgspec.json.decode(await _read_body(receive))
+        url = data["url"]
+        if path == "/register":
+            instance = gateway.registry.add(url, data.get("role", "both"))
+            await gateway.registry.probe_all()
+            await _respond(send, 200, _encode({"url": instance.url, "role": instance.role,
+                                               "healthy": instance.healthy}))
+        else:
+            removed = gateway.registry.remove(url)
+            await _respond(send, 200 if removed else 404, _encode({"url": url, "removed": removed}))
+    except (msgspec.DecodeError, KeyError, TypeError, ValueError) as exc:
+        await _error(send, 400, f"expected {{\"url\": ..., \"role\": ...}}: {exc}")
+    except ConnectionAbortedError:
+        return
 
 
 def _header(scope: dict, name: bytes) -> str | None:

@@ -14,16 +14,15 @@ import enum
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgspec
 
-from pdserve.gateway.registry import Instance
+from pdserve.gateway.conditional import ConditionalDisagg
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.registry import Instance, Registry
 from pdserve.ids import TransferId, new_transfer_id
 from pdserve.net.http_client import Response, UpstreamError, UpstreamTimeout
-
-if TYPE_CHECKING:
-    from pdserve.gateway.service import Gateway
 
 log = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
@@ -64,9 +63,26 @@ class LegError(Exception):
         self.instance = instance
 
 
+class GatewayHandle(Protocol):
+    """What a call and its forwarder need from the gateway that owns them. A protocol rather than the
+    `Gateway` class so that the gateway can import calls and forwarders without them importing it back."""
+
+    deadlines: Deadlines
+    scheduling: str
+    registry: Registry
+    metrics: GatewayMetrics
+    conditional: ConditionalDisagg
+
+    def pick(self, role: str, excluded: set[str], affinity: bytes) -> Instance: ...
+
+    def release_kv(self, instance: Instance, params: dict[str, Any], transfer_id: TransferId) -> None: ...
+
+    def release_transfer(self, instance: Instance, transfer_id: TransferId) -> None: ...
+
+
 @dataclass(eq=False)
 class Call:
-    gateway: Gateway
+    gateway: GatewayHandle
     path: str
     body: dict[str, Any]
     request_id: str

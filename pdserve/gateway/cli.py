@@ -16,7 +16,7 @@ from pdserve.gateway.call import Deadlines
 from pdserve.gateway.forwarders import FORWARDERS
 from pdserve.gateway.policies import POLICIES
 from pdserve.gateway.service import Gateway, GatewayConfig
-from pdserve.server.launch import bind_socket, freeze_startup_objects, serve_announced
+from pdserve.net.listen import bind_socket, freeze_startup_objects, serve_announced
 
 _DEADLINE_FLAGS = {"connect_timeout": "connect_s", "prefill_timeout": "prefill_s",
                    "first_token_timeout": "first_token_s", "idle_timeout": "idle_s"}

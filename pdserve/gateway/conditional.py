@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
 from pdserve.gateway.registry import Instance
 
-if TYPE_CHECKING:
-    from pdserve.gateway.call import Call
 
 _BYTES_PER_TOKEN = 4
 _CHUNK_TOKENS = 16
@@ -63,12 +61,12 @@ class ConditionalDisagg:
 
             self.tokenizer = Tokenizer.from_file(tokenizer_path)
 
-    def use_remote_prefill(self, call: Call, decode: Instance) -> bool:
+    def use_remote_prefill(self, body: dict[str, Any], decode: Instance) -> bool:
         """True: run P then D. False: D alone. Records the decision and its reason."""
         if not self.enabled:
             self.metrics.decision("remote_prefill", "always")
             return True
-        tokens, exact = self.prompt_tokens(call.body)
+        tokens, exact = self.prompt_tokens(body)
         chunks = self.chunks(tokens)
         count = len(tokens) if exact else len(tokens) // _BYTES_PER_TOKEN
         remote, reason = self._decide(count, exact, decode, chunks)

@@ -29,8 +29,9 @@ from pdserve.kv_transfer.messages import PROTOCOL_VERSION
 from pdserve.kv_transfer.params import (DecodeFirst, KVParamsError, KVTransferParams, RemotePrefill, parse_kv_params,
                                         parse_release)
 from pdserve.kv_transfer.pd_connector import PdConnectorScheduler, PdConnectorWorker, ProducerIdentity
-from pdserve.models.config import read_config_json, text_config_of
+from pdserve.models.config import ModelSpec
 from pdserve.models.loader import checkpoint_files
+from pdserve.utils import cdiv
 
 log = logging.getLogger(__name__)
 
@@ -143,13 +144,13 @@ class ConnectorBundle:
         return fields
 
 
-def compatibility_hash(config: EngineConfig, dtype: torch.dtype) -> str:
+def compatibility_hash(config: EngineConfig, model: ModelSpec) -> str:
     """Instances may exchange KV only if this matches: model, dtype, KV layout, block size, protocol version."""
-    text = text_config_of(read_config_json(config.model))
+    text = model.text
     identity = {
         "protocol": PROTOCOL_VERSION, "layout": KV_LAYOUT, "block_size": config.block_size,
-        "dtype": str(dtype), "layers": text.num_layers, "kv_heads": text.num_kv_heads, "head_dim": text.head_dim,
-        "hidden": text.hidden_size, "vocab": text.vocab_size, "weights": weight_fingerprint(config.model),
+        "dtype": str(model.dtype), "layers": text.num_layers, "kv_heads": text.num_kv_heads, "head_dim": text.head_dim,
+        "hidden": text.hidden_size, "vocab": text.vocab_size, "weights": weight_fingerprint(model.path),
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
@@ -167,7 +168,7 @@ def weight_fingerprint(model_dir: Path) -> str:
     return h.hexdigest()
 
 
-Builder = Callable[[EngineConfig], ConnectorBundle]
+Builder = Callable[[EngineConfig, ModelSpec], ConnectorBundle]
 
 
 EXTRA_CONFIG_KEYS = frozenset({
@@ -175,22 +176,19 @@ EXTRA_CONFIG_KEYS = frozenset({
     "handshake_timeout", "push_registration_timeout", "capture_messages", "fault_injection", "fault_injection_api"})
 
 
-def build_pd_connector(config: EngineConfig) -> ConnectorBundle:
+def build_pd_connector(config: EngineConfig, model: ModelSpec) -> ConnectorBundle:
     kv_cfg = config.kv_transfer_config
     extra = dict(kv_cfg.get("kv_connector_extra_config") or {})
     unknown = set(extra) - EXTRA_CONFIG_KEYS
     if unknown:  # a misspelt key would otherwise be silently ignored
         raise ValueError(f"unknown kv_connector_extra_config keys {sorted(unknown)}; known: {sorted(EXTRA_CONFIG_KEYS)}")
     host = str(extra.get("side_channel_host", kv_cfg.get("kv_ip", "127.0.0.1")))
-    from pdserve.engine.llm_engine import checkpoint_dtype
-
-    dtype = config.torch_dtype(checkpoint_dtype(read_config_json(config.model)))
     engine_id = str(kv_cfg.get("engine_id") or new_engine_id())
     preferred = str(extra.get("data_plane", "auto"))
     plane_names = ["shm", "tcp"] if preferred in ("auto", "shm") else [preferred]
     planes = {name: make_data_plane(name, host) for name in plane_names}
     agent = TransferAgent(AgentConfig(
-        engine_id=engine_id, compat_hash=compatibility_hash(config, dtype), host=host,
+        engine_id=engine_id, compat_hash=compatibility_hash(config, model), host=host,
         port=int(extra.get("side_channel_port", kv_cfg.get("kv_port", 0))),
         lease_s=float(extra.get("kv_lease_duration", 30.0)),
         load_timeout_s=float(extra.get("kv_load_timeout", 60.0)),
@@ -199,8 +197,7 @@ def build_pd_connector(config: EngineConfig) -> ConnectorBundle:
         push_timeout_s=float(extra.get("push_registration_timeout", 60.0)),
         capture_path=extra.get("capture_messages") or os.environ.get("PDSERVE_CAPTURE_MESSAGES"),
         preferred_plane=preferred, planes=planes, faults=resolve_fault_config(extra)))
-    max_model_len = config.resolve_max_model_len(text_config_of(read_config_json(config.model)).max_position_embeddings)
-    max_blocks = -(-max_model_len // config.block_size)
+    max_blocks = cdiv(model.max_model_len, config.block_size)
     scheduler = PdConnectorScheduler(config.block_size, load_timeout_s=agent.config.load_timeout_s)
     worker = PdConnectorWorker(agent, config.block_size, push_timeout_s=agent.config.push_timeout_s,
                                unregistered_timeout_s=agent.config.lease_s)
@@ -212,7 +209,7 @@ def build_pd_connector(config: EngineConfig) -> ConnectorBundle:
 KV_CONNECTORS: dict[str, Builder] = {"PdConnector": build_pd_connector}
 
 
-def build_connectors(config: EngineConfig) -> ConnectorBundle | None:
+def build_connectors(config: EngineConfig, model: ModelSpec) -> ConnectorBundle | None:
     """The connector bundle for this instance, or None for plain colocated serving."""
     if not config.kv_transfer_config and config.role == "both":
         return None
@@ -220,4 +217,4 @@ def build_connectors(config: EngineConfig) -> ConnectorBundle | None:
     builder = KV_CONNECTORS.get(name)
     if builder is None:
         raise ValueError(f"unknown kv_connector {name!r}; available: {', '.join(sorted(KV_CONNECTORS))}")
-    return builder(config)
+    return builder(config, model)

@@ -13,7 +13,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.engine.kv_cache_manager import cdiv
 from pdserve.engine.outputs import KVConnectorOutput, SchedulerOutput
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.ids import ReqId, TransferId
@@ -23,6 +22,7 @@ from pdserve.kv_transfer.params import KVHandOff, PushHeld, RemoteDecode, Remote
 from pdserve.kv_transfer.pull_consumer import LoadJob
 from pdserve.kv_transfer.push import PushChunk, PushEnded, PushProducer, PushRegistration
 from pdserve.kv_transfer.translator import TransferMap
+from pdserve.utils import cdiv
 
 log = logging.getLogger(__name__)
 

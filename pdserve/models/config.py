@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -55,13 +57,14 @@ _TEXT_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},
     "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
 }
+_MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 def supported_architectures() -> list[str]:
-    from pdserve.models.registry import MODEL_REGISTRY
-
-    return sorted(MODEL_REGISTRY)
+    """Every architecture the model registry builds (a test keeps the two lists equal). Listed here, not read
+    from the registry, so that parsing a config never imports the model code."""
+    return sorted((*_TEXT_ARCHITECTURES, *_MULTIMODAL_ARCHITECTURES))
 
 
 def read_config_json(model_dir: Path) -> dict[str, Any]:
@@ -119,16 +122,49 @@ _ARCH_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "qwen3": "Qwen3ForCausalLM"}
 
 
+# LlamaConfig's defaults, filled into a multimodal model's llama ``text_config``: hub configs such as
+# llava-hf/llava-1.5-7b-hf list only the keys that differ from these.
+_LLAMA_TEXT_DEFAULTS: Mapping[str, Any] = MappingProxyType({
+    "model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "vocab_size": 32000, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+})
+
+
 def text_config_of(raw: dict[str, Any]) -> TextModelConfig:
     """The language model's config, for causal LMs and for multimodal models (their `text_config`)."""
     text = raw.get("text_config")
-    if text is None:
+    if text is None and architecture_of(raw) not in _MULTIMODAL_ARCHITECTURES:
         return parse_text_config(raw)
+    text = dict(text or {})
+    if text.get("model_type", "llama") == "llama":
+        text = {**_LLAMA_TEXT_DEFAULTS, **text}
     model_type = text.get("model_type", "llama")
     arch = (text.get("architectures") or [None])[0] or _ARCH_OF_MODEL_TYPE.get(model_type)
     if arch is None:
         raise ModelConfigError(f"unsupported text model type {model_type!r} inside {architecture_of(raw)}")
     return parse_text_config(text, arch)
+
+
+def checkpoint_dtype(raw: dict[str, Any]) -> torch.dtype | None:
+    """The dtype the checkpoint was saved in (a multimodal model's text part first), if the config says."""
+    for section in (raw.get("text_config") or {}, raw):
+        name = section.get("dtype") or section.get("torch_dtype")
+        if name:
+            return parse_dtype(name)
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """A model folder's config.json read once at startup and resolved against the engine's flags. Everything
+    built at startup (connectors, engine, model) takes this instead of reading the file again, so they cannot
+    disagree on the dtype or the context length."""
+
+    path: Path
+    raw: dict[str, Any]
+    text: TextModelConfig
+    dtype: torch.dtype
+    max_model_len: int
 
 
 def parse_text_config(raw: dict[str, Any], architecture: str | None = None) -> TextModelConfig:

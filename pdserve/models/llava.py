@@ -32,21 +32,17 @@ from pdserve.models.clip_vision import (
     activation_fn,
     required_vision_keys,
 )
-from pdserve.models.config import ModelConfigError, text_config_of
+from pdserve.models.config import ModelConfigError, ModelSpec
 from pdserve.models.image_processor import ClipImageProcessor, load_image_processor
 from pdserve.models.llama import LlamaForCausalLM
+from pdserve.models.loaded import LoadedModel
 from pdserve.models.loader import iter_checkpoint, load_text_weights, text_weight_key
-from pdserve.models.registry import LoadedModel
 
-# LlavaConfig's defaults for its sub-configs (llava-1.5's CLIP ViT-L/14-336 and a Llama): hub configs such as
-# llava-hf/llava-1.5-7b-hf list only the keys that differ from these.
+# LlavaConfig's defaults for its vision sub-config (llava-1.5's CLIP ViT-L/14-336): hub configs such as
+# llava-hf/llava-1.5-7b-hf list only the keys that differ from these (the text part's are filled by text_config_of).
 LLAVA_VISION_DEFAULTS: Mapping[str, Any] = MappingProxyType({
     "intermediate_size": 4096, "hidden_size": 1024, "patch_size": 14, "image_size": 336,
     "num_hidden_layers": 24, "num_attention_heads": 16,
-})
-LLAMA_TEXT_DEFAULTS: Mapping[str, Any] = MappingProxyType({
-    "model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
-    "num_attention_heads": 32, "vocab_size": 32000, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
 })
 
 LANGUAGE_MODEL, VISION_TOWER, PROJECTOR = "language_model", "vision_tower", "multi_modal_projector"
@@ -96,14 +92,6 @@ class LlavaConfig:
     def num_image_tokens(self) -> int:
         """Tokens (and embedding rows) per image: one per patch, plus the CLS token under "full"."""
         return self.vision.num_patches + int(self.keeps_cls_token)
-
-
-def text_config_with_defaults(raw: Mapping[str, Any]) -> dict[str, Any]:
-    """The whole config with LlamaConfig's defaults filled into a llama ``text_config`` that omits them."""
-    text = dict(raw.get("text_config") or {})
-    if text.get("model_type", "llama") == "llama":
-        text = {**LLAMA_TEXT_DEFAULTS, **text}
-    return {**raw, "text_config": text}
 
 
 # ----------------------------------------------------------------------------- projector and encoder
@@ -233,14 +221,13 @@ def load_llava_image_processor(model_dir: Path, raw_config: Mapping[str, Any]) -
     return load_image_processor(model_dir, fallback_image_size=config.vision.image_size)
 
 
-def build_llava(model_dir: Path, raw_config: dict[str, Any], dtype: torch.dtype, device: torch.device,
-                max_positions: int) -> LoadedModel:
-    config = LlavaConfig.from_hf(raw_config)
-    text_cfg = text_config_of(text_config_with_defaults(raw_config))
+def build_llava(spec: ModelSpec, device: torch.device) -> LoadedModel:
+    config = LlavaConfig.from_hf(spec.raw)
+    text_cfg, dtype = spec.text, spec.dtype
     if not 0 <= config.image_token_id < text_cfg.vocab_size:
         raise ModelConfigError(f"image token id {config.image_token_id} is outside the text vocabulary "
                                f"({text_cfg.vocab_size} tokens)")
-    text_weights, unclaimed = load_text_weights(iter_checkpoint(model_dir), text_cfg, dtype, device,
+    text_weights, unclaimed = load_text_weights(iter_checkpoint(spec.path), text_cfg, dtype, device,
                                                 rename=llava_text_weight_key)
     tower_weights, projector_weights = split_vision_weights(unclaimed, dtype, device)
     check_vision_weights(config, tower_weights, projector_weights)
@@ -248,8 +235,8 @@ def build_llava(model_dir: Path, raw_config: dict[str, Any], dtype: torch.dtype,
         config,
         ClipVisionTower(config.vision, tower_weights, config.vision_feature_layer),
         MultiModalProjector(projector_weights, config.projector_hidden_act),
-        load_llava_image_processor(model_dir, raw_config),
+        load_llava_image_processor(spec.path, spec.raw),
         dtype,
     )
-    model = LlamaForCausalLM(text_cfg, text_weights, dtype, max_positions, device)
+    model = LlamaForCausalLM(text_cfg, text_weights, dtype, spec.max_model_len, device)
     return LoadedModel(text_cfg, model, vision=vision)

@@ -3,39 +3,29 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from pdserve.models.config import ModelConfigError, TextModelConfig, architecture_of, parse_text_config, read_config_json
+from pdserve.models.config import ModelConfigError, ModelSpec, architecture_of, read_config_json, text_config_of
 from pdserve.models.llama import LlamaForCausalLM
+from pdserve.models.loaded import LoadedModel
 from pdserve.models.loader import iter_checkpoint, load_text_weights
 
+__all__ = ["MODEL_REGISTRY", "LoadedModel", "build_model", "load_model"]
 
-@dataclass(slots=True)
-class LoadedModel:
-    text_config: TextModelConfig
-    model: LlamaForCausalLM
-    # Set for multimodal architectures (LLaVA): the vision tower and projector.
-    vision: object | None = None
+Builder = Callable[[ModelSpec, torch.device], LoadedModel]
 
 
-Builder = Callable[[Path, dict, torch.dtype, torch.device, int], LoadedModel]
+def build_llama_family(spec: ModelSpec, device: torch.device) -> LoadedModel:
+    weights, _ = load_text_weights(iter_checkpoint(spec.path), spec.text, spec.dtype, device)
+    return LoadedModel(spec.text, LlamaForCausalLM(spec.text, weights, spec.dtype, spec.max_model_len, device))
 
 
-def build_llama_family(model_dir: Path, raw: dict, dtype: torch.dtype, device: torch.device,
-                       max_positions: int) -> LoadedModel:
-    cfg = parse_text_config(raw)
-    weights, _ = load_text_weights(iter_checkpoint(model_dir), cfg, dtype, device)
-    return LoadedModel(cfg, LlamaForCausalLM(cfg, weights, dtype, max_positions, device))
+def build_llava(spec: ModelSpec, device: torch.device) -> LoadedModel:
+    from pdserve.models.llava import build_llava as build  # image processing loads only for a multimodal model
 
-
-def build_llava(model_dir: Path, raw: dict, dtype: torch.dtype, device: torch.device,
-                max_positions: int) -> LoadedModel:
-    from pdserve.models.llava import build_llava as build  # llava imports this module (LoadedModel)
-
-    return build(model_dir, raw, dtype, device, max_positions)
+    return build(spec, device)
 
 
 MODEL_REGISTRY: dict[str, Builder] = {
@@ -47,10 +37,16 @@ MODEL_REGISTRY: dict[str, Builder] = {
 }
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, max_positions: int) -> LoadedModel:
-    raw = read_config_json(model_dir)
-    arch = architecture_of(raw)
+def build_model(spec: ModelSpec, device: torch.device) -> LoadedModel:
+    arch = architecture_of(spec.raw)
     builder = MODEL_REGISTRY.get(arch)
     if builder is None:
         raise ModelConfigError(f"unsupported architecture {arch!r}; supported: {', '.join(sorted(MODEL_REGISTRY))}")
-    return builder(Path(model_dir), raw, dtype, device, max_positions)
+    return builder(spec, device)
+
+
+def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, max_positions: int) -> LoadedModel:
+    """Read the folder's config and build its model, for callers outside an engine (tests, tools)."""
+    raw = read_config_json(model_dir)
+    spec = ModelSpec(Path(model_dir), raw, text_config_of(raw), dtype, max_positions)
+    return build_model(spec, device)

@@ -110,27 +110,37 @@ def build_app(engine: AsyncEngine, serving: OpenAIServing, metrics: ServerMetric
               extra_routes: Callable[[FastAPI], None] | None = None) -> FastAPI:
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
     engine.output_listeners.append(metrics.on_output)
+    _add_openai_routes(app, serving)
+    _add_info_routes(app, engine, serving, metrics)
+    _add_error_handlers(app)
+    if extra_routes is not None:
+        extra_routes(app)
+    return app
 
-    async def openai_route(request: Request, model: type[BaseModel],
-                           handler: Callable[[Any, str, dict[str, str]], Awaitable[Any]]) -> Response:
-        headers: dict[str, str] = {}
-        try:
-            body = await parse_body(request, model)
-            external_id = external_request_id(request, getattr(body, "request_id", None))
-            headers["X-Request-Id"] = external_id
-            result = await until_disconnect(request, handler(body, external_id, headers))
-        except OpenAIError as exc:
-            return error_response(exc, headers)
-        except ClientDisconnected:
-            return Response(status_code=499)
-        except EngineDeadError as exc:
-            return error_response(OpenAIError(503, str(exc)), headers)
-        except RequestTimeoutError as exc:
-            return error_response(OpenAIError(504, str(exc)), headers)
-        if isinstance(result, dict):
-            return json_response(result, headers=headers)
-        return StreamingResponse(guard_stream(request, result), media_type="text/event-stream", headers=headers)
 
+async def openai_route(request: Request, model: type[BaseModel],
+                       handler: Callable[[Any, str, dict[str, str]], Awaitable[Any]]) -> Response:
+    """Parse, run until the client leaves, and map every failure to its OpenAI-style error."""
+    headers: dict[str, str] = {}
+    try:
+        body = await parse_body(request, model)
+        external_id = external_request_id(request, getattr(body, "request_id", None))
+        headers["X-Request-Id"] = external_id
+        result = await until_disconnect(request, handler(body, external_id, headers))
+    except OpenAIError as exc:
+        return error_response(exc, headers)
+    except ClientDisconnected:
+        return Response(status_code=499)
+    except EngineDeadError as exc:
+        return error_response(OpenAIError(503, str(exc)), headers)
+    except RequestTimeoutError as exc:
+        return error_response(OpenAIError(504, str(exc)), headers)
+    if isinstance(result, dict):
+        return json_response(result, headers=headers)
+    return StreamingResponse(guard_stream(request, result), media_type="text/event-stream", headers=headers)
+
+
+def _add_openai_routes(app: FastAPI, serving: OpenAIServing) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await openai_route(request, CompletionRequest, serving.completions)
@@ -139,6 +149,8 @@ def build_app(engine: AsyncEngine, serving: OpenAIServing, metrics: ServerMetric
     async def chat_completions(request: Request) -> Response:
         return await openai_route(request, ChatCompletionRequest, serving.chat)
 
+
+def _add_info_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metrics: ServerMetrics) -> None:
     @app.get("/v1/models")
     async def models() -> Response:
         return json_response({"object": "list", "data": [{
@@ -161,6 +173,8 @@ def build_app(engine: AsyncEngine, serving: OpenAIServing, metrics: ServerMetric
 
         return json_response({"version": pkg_version("pdserve")})
 
+
+def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(404)
     async def not_found(request: Request, exc: Exception) -> JSONResponse:
         return JSONResponse(error_body(404, f"no route {request.method} {request.url.path}"), 404)
@@ -173,7 +187,3 @@ def build_app(engine: AsyncEngine, serving: OpenAIServing, metrics: ServerMetric
     async def internal(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s", request.url.path)
         return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}: {exc}"), 500)
-
-    if extra_routes is not None:
-        extra_routes(app)
-    return app

@@ -4,22 +4,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import logging
-import os
 import socket
 import sys
 from pathlib import Path
 
-import uvicorn
-
 from pdserve.config import DEFAULT_KV_CACHE_GIB, ROLES, EngineConfig
+from pdserve.net.listen import bind_socket, freeze_startup_objects, serve_announced
 
 log = logging.getLogger("pdserve.serve")
-
-# Longer than any client pool's idle timeout, so the server never closes a connection a gateway is reusing.
-KEEP_ALIVE_S = 75
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -80,29 +74,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     )
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY on accepted connections only when the listening socket
-    # says so, and without it every small JSON answer waits ~40 ms on Nagle and delayed ACKs (measured).
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
-
-
-def freeze_startup_objects() -> None:
-    """Move everything built at startup out of the garbage collector's sight: full collections otherwise
-    walk those objects every time and stall requests (measured: ~100 ms p99 stalls on the gateway)."""
-    gc.collect()
-    gc.freeze()
-
-
-def announce_ready(**fields: object) -> None:
-    """One JSON line on stdout that tests and scripts wait for (it carries the real port when --port 0)."""
-    print(json.dumps({"event": "ready", "pid": os.getpid(), **fields}), flush=True)
-
-
 def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -122,21 +93,3 @@ async def serve_app(instance, sock: socket.socket, log_level: str = "info") -> N
         await serve_announced(app, sock, log_level, instance.ready_fields())
     finally:
         await instance.stop()
-
-
-async def serve_announced(app: object, sock: socket.socket, log_level: str, fields: dict[str, object]) -> None:
-    """Serve `app` on `sock` with uvicorn (httptools), and print the ready line once it accepts connections."""
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level.lower(), access_log=False, lifespan="off",
-                                           timeout_keep_alive=KEEP_ALIVE_S, http="httptools"))
-
-    async def ready_when_started() -> None:
-        while not server.started and not server.should_exit:
-            await asyncio.sleep(0.01)
-        if server.started:
-            announce_ready(host=sock.getsockname()[0], port=sock.getsockname()[1], **fields)
-
-    announcer = asyncio.create_task(ready_when_started())
-    try:
-        await server.serve(sockets=[sock])
-    finally:
-        announcer.cancel()

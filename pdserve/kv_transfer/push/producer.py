@@ -13,12 +13,12 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from pdserve.engine.kv_cache_manager import cdiv
 from pdserve.ids import ReqId, TransferId
 from pdserve.kv_transfer.messages import PushRegister
 from pdserve.kv_transfer.push.link import ProducerLink
 from pdserve.kv_transfer.push.specs import PushChunk, PushEnded
 from pdserve.kv_transfer.translator import TransferMap
+from pdserve.utils import cdiv
 
 log = logging.getLogger(__name__)
 
