@@ -20,6 +20,8 @@ from pdserve.server.errors import error_body
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.serving import OpenAIServing
 
+_ROLE_OF_KV_ROLE = {"kv_producer": "prefill", "kv_consumer": "decode"}
+
 
 class Instance:
     def __init__(self, config: EngineConfig, request_timeout_s: float = 600.0) -> None:
@@ -54,7 +56,14 @@ class Instance:
         bundle = self.connectors
         return OpenAIServing(
             self.async_engine, self.config.model_name, self.engine.tokenizer, self.engine.max_model_len,
-            kv_params=bundle, prompter=prompter)
+            kv_params=bundle, prompter=prompter, role=self._kv_role())
+
+    def _kv_role(self) -> str:
+        """The role this instance plays for KV: `--role`, or what `kv_role` in the transfer config implies."""
+        kv_role = self.config.kv_transfer_config.get("kv_role")
+        if self.config.role == "both" and kv_role in _ROLE_OF_KV_ROLE:
+            return _ROLE_OF_KV_ROLE[kv_role]
+        return self.config.role
 
     def _extra_metrics(self, serving: OpenAIServing | EncodeServing):
         sources = []

@@ -23,6 +23,7 @@ from pdserve.engine.request import MultiModalItem
 from pdserve.ids import ReqId, make_internal_request_id
 from pdserve.kv_transfer.params import RemoteDecode, RemotePrefill
 from pdserve.sampling_params import SamplingParams
+from pdserve.telemetry.timeline import Timeline
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class _Add:
     params: SamplingParams
     kv_transfer_params: RemoteDecode | RemotePrefill | None
     mm_items: list[MultiModalItem] | None
+    timeline: Timeline | None = None
 
 
 @dataclass(slots=True)
@@ -104,13 +106,14 @@ class AsyncEngine:
     async def generate(self, external_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        kv_transfer_params: RemoteDecode | RemotePrefill | None = None,
                        mm_items: list[MultiModalItem] | None = None,
-                       request_id: ReqId | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: ReqId | None = None,
+                       timeline: Timeline | None = None) -> AsyncIterator[RequestOutput]:
         if self.dead is not None:
             raise EngineDeadError(f"the engine stopped: {self.dead}")
         rid = request_id or make_internal_request_id(external_id)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = stream
-        self._send(_Add(rid, external_id, prompt_token_ids, params, kv_transfer_params, mm_items))
+        self._send(_Add(rid, external_id, prompt_token_ids, params, kv_transfer_params, mm_items, timeline))
         finished = False
         try:
             while True:
@@ -194,7 +197,7 @@ class AsyncEngine:
     def _add(self, c: _Add) -> None:
         try:
             self.engine.add_request(c.external_id, c.prompt_token_ids, c.params, c.kv_transfer_params, c.mm_items,
-                                    request_id=c.request_id)
+                                    request_id=c.request_id, timeline=c.timeline)
         except Exception as exc:  # noqa: BLE001 - reported to the one request that caused it
             self._deliver_error_threadsafe(c.request_id, exc)
 

@@ -21,6 +21,7 @@ from pdserve.ids import ReqId, make_internal_request_id
 from pdserve.kv_transfer.params import RemoteDecode, RemotePrefill
 from pdserve.models.config import ModelConfigError, ModelSpec, read_config_json
 from pdserve.sampling_params import SamplingParams
+from pdserve.telemetry.timeline import Timeline
 from pdserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -104,12 +105,14 @@ class LLMEngine:
     def add_request(self, external_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     kv_transfer_params: RemoteDecode | RemotePrefill | None = None,
                     mm_items: list[MultiModalItem] | None = None,
-                    request_id: ReqId | None = None, detokenize: bool = True) -> ReqId:
+                    request_id: ReqId | None = None, detokenize: bool = True,
+                    timeline: Timeline | None = None) -> ReqId:
         self.check_prompt(prompt_token_ids)  # params were validated by whoever took the request (server, LLM)
         rid = request_id or make_internal_request_id(external_id)
         request = Request(request_id=rid, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
                           eos_token_ids=self.eos_token_ids, external_id=external_id,
-                          kv_transfer_params=kv_transfer_params, mm_items=mm_items or [])
+                          kv_transfer_params=kv_transfer_params, mm_items=mm_items or [], timeline=timeline)
+        request.mark("queued")
         self.output.add_request(request, detokenize)
         self.scheduler.add_request(request)
         return rid

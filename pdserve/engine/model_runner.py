@@ -87,7 +87,7 @@ class ModelRunner:
             out.connector = KVConnectorOutput(
                 finished_sending=sending, finished_recving=recving, failed_recving=connector.get_failed_recving(),
                 invalid_block_ids=connector.get_block_ids_with_load_errors(),
-                refused_recving=connector.get_refused_recving())
+                refused_recving=connector.get_refused_recving(), transfers=connector.get_transfer_records())
             connector.clear_connector_metadata()
         return out
 

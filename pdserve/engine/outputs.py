@@ -42,6 +42,17 @@ class SchedulerOutput:
         return sum(len(s.token_ids) for s in self.scheduled)
 
 
+@dataclass(frozen=True, slots=True)
+class TransferRecord:
+    """How one request's KV load went, as the connector saw it (for the request's timeline)."""
+
+    started_at: float  # time.monotonic() when the load (or push registration) began
+    seconds: float
+    nbytes: int
+    data_plane: str
+    ok: bool
+
+
 @dataclass(slots=True)
 class KVConnectorOutput:
     finished_sending: set[ReqId] = field(default_factory=set)
@@ -49,6 +60,7 @@ class KVConnectorOutput:
     failed_recving: set[ReqId] = field(default_factory=set)
     invalid_block_ids: set[int] = field(default_factory=set)
     refused_recving: dict[ReqId, str] = field(default_factory=dict)
+    transfers: dict[ReqId, TransferRecord] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

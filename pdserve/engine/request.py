@@ -11,6 +11,7 @@ from pdserve.ec_transfer.params import ECSource
 from pdserve.ids import ReqId
 from pdserve.kv_transfer.params import KVHandOff, RemoteDecode, RemotePrefill
 from pdserve.sampling_params import SamplingParams
+from pdserve.telemetry.timeline import Timeline
 
 
 class RequestStatus(enum.IntEnum):
@@ -89,6 +90,12 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+    timeline: Timeline | None = None  # what happened when, for /v1/timeline and traces (servers only)
+
+    def mark(self, event: str, **attrs: Any) -> None:
+        """Record an event on the request's timeline, if it has one (offline `LLM` requests have none)."""
+        if self.timeline is not None:
+            self.timeline.add(event, **attrs)
 
     @property
     def num_prompt_tokens(self) -> int:

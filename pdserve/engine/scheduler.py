@@ -17,6 +17,8 @@ from pdserve.engine.outputs import KVConnectorOutput, ModelRunnerOutput, Schedul
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.ids import ReqId
 from pdserve.kv_transfer.base import KVConnectorScheduler
+from pdserve.kv_transfer.params import RemotePrefill
+from pdserve.telemetry.timeline import wall_ns_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +102,10 @@ class Scheduler:
         for request, num_new in scheduled:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
+                request.mark("scheduled")
             start = request.num_computed_tokens
+            if start < request.num_prompt_tokens:
+                request.mark("prefill_chunk", start=start, tokens=min(num_new, request.num_prompt_tokens - start))
             items = [m for m in request.mm_items if m.offset < start + num_new and m.offset + m.length > start]
             out.scheduled.append(ScheduledRequest(
                 request_id=request.request_id,
@@ -243,6 +248,7 @@ class Scheduler:
                 request.output_logprobs.append(result.logprobs[item.request_id])
             if request.first_token_time is None:
                 request.first_token_time = now
+                request.mark("first_token")
             request.last_token_time = now
             status = self._stop_status(request)
             if status is not None:
@@ -275,6 +281,7 @@ class Scheduler:
             request = self.requests.get(rid)
             if request is not None and not request.is_finished:
                 self._end(request, message, status=400)
+        self._mark_transfers(output)
         for rid in output.finished_recving:
             held = self.held.pop(rid, None)
             if held is not None:  # aborted while its load was in flight: the blocks are free to reuse now
@@ -287,6 +294,17 @@ class Scheduler:
             if held is not None:
                 self.kv.free(rid)
                 self.requests.pop(rid, None)
+
+    def _mark_transfers(self, output: KVConnectorOutput) -> None:
+        for rid, record in output.transfers.items():
+            request = self.requests.get(rid)
+            if request is None or request.timeline is None:
+                continue
+            mode = request.kv_transfer_params.mode if isinstance(request.kv_transfer_params, RemotePrefill) else ""
+            start = wall_ns_of(record.started_at)
+            request.timeline.add("kv_transfer_start", start, data_plane=record.data_plane, mode=mode)
+            request.timeline.add("kv_transfer_end", start + int(record.seconds * 1e9), bytes=record.nbytes,
+                                 data_plane=record.data_plane, ok=record.ok, mode=mode)
 
     def _handle_invalid_blocks(self, plan: SchedulerOutput, output: KVConnectorOutput) -> set[ReqId]:
         """Roll requests back to their first block that failed to load (recompute) or end them (fail)."""
@@ -348,6 +366,9 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
         request.status = status
         request.error = error
+        if request.timeline is not None:
+            request.timeline.finish(reason=status.finish_reason, prompt_tokens=request.num_prompt_tokens,
+                                    completion_tokens=request.num_output_tokens)
         rid = request.request_id
         if request in self.running:
             self.running.remove(request)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from typing import Any
+from urllib.parse import unquote
 
 import msgspec
 
@@ -15,6 +16,7 @@ from pdserve.server.errors import error_body
 log = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
 _PROXIED = ("/v1/completions", "/v1/chat/completions")
+_TIMELINE = "/v1/timeline/"
 MAX_BODY_BYTES = 64 << 20
 
 
@@ -107,6 +109,8 @@ def build_app(gateway: Gateway) -> Any:
             await _models(gateway, send)
         elif path in ("/register", "/deregister") and method == "POST":
             await _membership(gateway, receive, send, path)
+        elif path.startswith(_TIMELINE) and method == "GET":
+            await _timeline(gateway, send, path[len(_TIMELINE):])
         elif path == "/instances":
             await _respond(send, 200, _encode([{"url": i.url, "role": i.role, "healthy": i.healthy,
                                                 "in_flight": i.in_flight, "load": i.load}
@@ -137,7 +141,16 @@ async def _proxy(gateway: Gateway, scope: dict, receive: Any, send: Any, path: s
         del body["kv_transfer_params"]  # only the gateway decides where KV comes from
     request_id = _header(scope, b"x-request-id") or new_external_request_id()
     response = _ResponseTracker(send)
-    await _until_disconnect(receive, gateway.handle(path, body, request_id, response), response)
+    work = gateway.handle(path, body, request_id, response, _header(scope, b"traceparent"))
+    await _until_disconnect(receive, work, response)
+
+
+async def _timeline(gateway: Gateway, send: Any, request_id: str) -> None:
+    found = gateway.timelines.get(unquote(request_id))
+    if not found:
+        await _error(send, 404, f"no timeline for request {request_id!r}")
+        return
+    await _respond(send, 200, _encode({"object": "list", "data": [t.to_json() for t in found]}))
 
 
 async def _models(gateway: Gateway, send: Any) -> None:

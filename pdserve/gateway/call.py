@@ -23,6 +23,7 @@ from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.registry import Instance, Registry
 from pdserve.ids import TransferId, new_transfer_id
 from pdserve.net.http_client import Response, UpstreamError, UpstreamTimeout
+from pdserve.telemetry.timeline import Timeline
 
 log = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
@@ -98,6 +99,7 @@ class Call:
     held: tuple[Instance, dict[str, Any]] | None = None  # P's KV awaiting D's admission
     prefill_usage: dict[str, Any] | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    timeline: Timeline | None = None  # legs' start, first byte and end, for /v1/timeline and traces
     _counted: list[Instance] = field(default_factory=list)
     _upstream: list[Response] = field(default_factory=list)
 
@@ -105,6 +107,9 @@ class Call:
     def new_attempt(self) -> None:
         self.attempt += 1
         self.transfer_id = new_transfer_id()
+        if self.timeline is not None:
+            self.timeline.transfer_id = self.transfer_id
+            self.timeline.add("attempt", attempt=self.attempt, transfer_id=self.transfer_id)
         self.picks = {}
         self.held = None
         self.prefill_usage = None
@@ -145,6 +150,7 @@ class Call:
             raise self._leg_error(leg, instance, exc) from exc
         finally:
             self._forget(response, instance)
+            self.mark("leg_end", leg=leg, url=instance.url, status=response.status)
         if response.status != 200:
             raise self._status_error(leg, instance, response.status, raw)
         try:
@@ -168,11 +174,13 @@ class Call:
             else:
                 raw = await response.read(d.first_token_s)
                 self.timings["decode_first_token"] = time.monotonic() - sent_at
+                self.mark("leg_first_byte", leg=leg, url=instance.url)
                 await self.respond_json(200, self.merge_usage(raw))
         except (UpstreamError, UpstreamTimeout) as exc:
             raise self._leg_error(leg, instance, exc) from exc
         finally:
             self._forget(response, instance)
+            self.mark("leg_end", leg=leg, url=instance.url, status=response.status)
         self.stage = Stage.DONE
 
     async def _relay_stream(self, leg: str, instance: Instance, response: Response, sent_at: float) -> None:
@@ -181,6 +189,7 @@ class Call:
         async for chunk in response.chunks(self.gateway.deadlines.idle_s):
             if "decode_first_token" not in self.timings:
                 self.timings["decode_first_token"] = time.monotonic() - sent_at
+                self.mark("leg_first_byte", leg=leg, url=instance.url)
             events = framer.feed(chunk)
             if events:
                 await self.write(self.rewrite_usage(events))
@@ -193,17 +202,23 @@ class Call:
         instance.in_flight += 1
         self._counted.append(instance)
         headers = [(b"content-type", b"application/json"), (b"x-request-id", self.request_id.encode())]
+        self.mark("leg_start", leg=leg, url=instance.url)
         try:
             response = await instance.pool.request("POST", self.path, _encode(body), headers,
                                                    connect_timeout=self.gateway.deadlines.connect_s,
                                                    header_timeout=header_timeout)
         except (UpstreamError, UpstreamTimeout) as exc:
             self._uncount(instance)
+            self.mark("leg_end", leg=leg, url=instance.url, status=0)
             if isinstance(exc, UpstreamError):
                 self.gateway.registry.report_failure(instance)
             raise self._leg_error(leg, instance, exc) from exc
         self._upstream.append(response)
         return response
+
+    def mark(self, event: str, **attrs: Any) -> None:
+        if self.timeline is not None:
+            self.timeline.add(event, **attrs)
 
     def _forget(self, response: Response, instance: Instance) -> None:
         if response in self._upstream:

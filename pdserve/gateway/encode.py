@@ -86,6 +86,8 @@ class EncodeFanout:
             return None
         body = {"model": call.body.get("model"), "messages": [{"role": "user", "content": [part]}]}
         deadlines = self.gateway.deadlines
+        call.mark("leg_start", leg="encode", url=instance.url)
+        status = 0
         try:
             response = await instance.pool.request("POST", "/v1/chat/completions", _encode(body),
                                                    [(b"content-type", b"application/json"),
@@ -93,6 +95,7 @@ class EncodeFanout:
                                                    connect_timeout=deadlines.connect_s,
                                                    header_timeout=deadlines.prefill_s)
             raw = await response.read(deadlines.prefill_s)
+            status = response.status
             answer = msgspec.json.decode(raw)
             mm_hash = answer["mm_items"][0]["mm_hash"]
             item_params = answer["ec_transfer_params"][mm_hash]
@@ -102,6 +105,8 @@ class EncodeFanout:
             log.warning("encoding on %s failed (%s); the prefill instance will encode locally", instance.url, exc)
             metrics.child(metrics.encode_items, "failed").inc()
             return None
+        finally:
+            call.mark("leg_end", leg="encode", url=instance.url, status=status)
         if response.status != 200:
             metrics.child(metrics.encode_items, "failed").inc()
             return None

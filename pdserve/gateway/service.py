@@ -20,6 +20,7 @@ from pdserve.gateway.registry import Instance, Registry
 from pdserve.ids import TransferId
 from pdserve.net.http_client import HttpClient, UpstreamError, UpstreamTimeout
 from pdserve.server.errors import error_body
+from pdserve.telemetry.timeline import TimelineStore
 
 log = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
@@ -64,6 +65,7 @@ class Gateway:
             for url in getattr(config, role):
                 self.registry.add(url, role)
         self.encoder = EncodeFanout(self)
+        self.timelines = TimelineStore()
 
     async def start(self) -> None:
         await self.registry.probe_all()
@@ -114,8 +116,10 @@ class Gateway:
         task.add_done_callback(self._background.discard)
 
     # -- one client request ---------------------------------------------------------------------------------
-    async def handle(self, path: str, body: dict[str, Any], request_id: str, send: Any) -> None:
-        call = Call(self, path, body, request_id, send, stream=bool(body.get("stream")))
+    async def handle(self, path: str, body: dict[str, Any], request_id: str, send: Any,
+                     traceparent: str | None = None) -> None:
+        timeline = self.timelines.start(request_id, "gateway", traceparent=traceparent)
+        call = Call(self, path, body, request_id, send, stream=bool(body.get("stream")), timeline=timeline)
         outcome = "error"
         try:
             await self.encoder.prepare(call)
@@ -128,6 +132,7 @@ class Gateway:
         finally:
             call.end_attempt()
             self.metrics.request_done(outcome, time.monotonic() - call.started, call.timings)
+            timeline.finish(outcome=outcome)
 
     async def _attempts(self, call: Call) -> str:
         for attempt in range(self.config.retries + 1):

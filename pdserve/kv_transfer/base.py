@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from pdserve.engine.outputs import KVConnectorOutput, SchedulerOutput
+from pdserve.engine.outputs import KVConnectorOutput, SchedulerOutput, TransferRecord
 from pdserve.engine.request import Request
 from pdserve.ids import ReqId
 from pdserve.kv_transfer.params import KVHandOff
@@ -101,6 +101,10 @@ class KVConnectorWorker(ABC):
 
     def get_refused_recving(self) -> dict[ReqId, str]:
         """Loads the producer refused as never granted: those requests must fail, whatever the policy."""
+        return {}
+
+    def get_transfer_records(self) -> dict[ReqId, TransferRecord]:
+        """How the loads that ended since the last call went (timing, bytes, data plane), for timelines."""
         return {}
 
     def shutdown(self) -> None:

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.engine.outputs import KVConnectorOutput, SchedulerOutput
+from pdserve.engine.outputs import KVConnectorOutput, SchedulerOutput, TransferRecord
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.ids import ReqId, TransferId
 from pdserve.kv_transfer.agent import TransferAgent
@@ -245,6 +245,7 @@ class PdConnectorWorker(KVConnectorWorker):
         self._failed: set[ReqId] = set()
         self._invalid: set[int] = set()
         self._refused: dict[ReqId, str] = {}
+        self._records: dict[ReqId, TransferRecord] = {}
 
     def register_kv_caches(self, kv_cache: Any) -> None:
         num_layers = kv_cache.shape[1]
@@ -305,6 +306,8 @@ class PdConnectorWorker(KVConnectorWorker):
             recving.add(result.request_id)
             self.translator.remove_request(result.request_id)
             self._invalid.update(result.invalid_blocks)
+            self._records[result.request_id] = TransferRecord(result.started_at, result.seconds, result.nbytes,
+                                                              result.plane, result.ok)
             if result.fatal:
                 self._refused[result.request_id] = f"KV transfer refused by the prefill instance: {result.error}"
             elif not result.ok:
@@ -322,3 +325,7 @@ class PdConnectorWorker(KVConnectorWorker):
     def get_refused_recving(self) -> dict[ReqId, str]:
         refused, self._refused = self._refused, {}
         return refused
+
+    def get_transfer_records(self) -> dict[ReqId, TransferRecord]:
+        records, self._records = self._records, {}
+        return records

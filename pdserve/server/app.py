@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -18,6 +19,7 @@ from pdserve.server.errors import OpenAIError, error_body
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.server.serving import OpenAIServing
+from pdserve.telemetry.timeline import Origin
 
 log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
@@ -126,7 +128,8 @@ async def openai_route(request: Request, model: type[BaseModel],
         body = await parse_body(request, model)
         external_id = external_request_id(request, getattr(body, "request_id", None))
         headers["X-Request-Id"] = external_id
-        result = await until_disconnect(request, handler(body, external_id, headers))
+        origin = Origin(external_id, time.time_ns(), request.headers.get("traceparent"))
+        result = await until_disconnect(request, handler(body, origin, headers))
     except OpenAIError as exc:
         return error_response(exc, headers)
     except ClientDisconnected:
@@ -166,6 +169,13 @@ def _add_info_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, 
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/timeline/{request_id}")
+    async def timeline(request_id: str) -> Response:
+        found = serving.timelines.get(request_id)
+        if not found:
+            return json_response(error_body(404, f"no timeline for request {request_id!r}"), 404)
+        return json_response({"object": "list", "data": [t.to_json() for t in found]})
 
     @app.get("/version")
     async def version() -> Response:

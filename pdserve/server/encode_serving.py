@@ -18,6 +18,7 @@ from pdserve.multimodal.items import mm_hash_of
 from pdserve.multimodal.prompt import MultimodalInputError, MultimodalPrompter
 from pdserve.server.errors import OpenAIError, bad_request
 from pdserve.server.protocol import ChatCompletionRequest
+from pdserve.telemetry.timeline import Origin, TimelineStore
 
 
 class EncodeServing:
@@ -27,11 +28,22 @@ class EncodeServing:
         self.max_model_len = engine.engine.max_model_len
         self.prompter = prompter
         self.ec = ec
+        self.role = "encode"
+        self.timelines = TimelineStore()
         self.encoded = 0  # items run through the encoder
         self.reused = 0  # items whose stored output was still there
 
-    async def chat(self, body: ChatCompletionRequest, external_id: str,
+    async def chat(self, body: ChatCompletionRequest, origin: Origin,
                    headers: dict[str, str] | None = None) -> dict[str, Any]:
+        timeline = self.timelines.start(origin.request_id, self.role, origin.arrival_ns,
+                                        traceparent=origin.traceparent)
+        try:
+            answer = await self._encode(body, origin, timeline.add)
+        finally:
+            timeline.finish(reason="stop")
+        return answer
+
+    async def _encode(self, body: ChatCompletionRequest, origin: Origin, mark: Any) -> dict[str, Any]:
         if body.model is not None and body.model != self.model_name:
             raise OpenAIError(404, f"The model `{body.model}` does not exist.", "model", "NotFoundError")
         try:
@@ -54,12 +66,14 @@ class EncodeServing:
             else:
                 pending[mm_hash] = self.prompter.processor(part.image)
         if pending:
+            mark("encode_start", items=len(pending))
             outputs = await self.engine.call(lambda engine: engine.vision.encode(torch.stack(list(pending.values()))))
             for mm_hash, output in zip(pending, outputs, strict=True):
                 params[mm_hash] = (await asyncio.to_thread(self.ec.save, mm_hash, output)).to_wire()
             self.encoded += len(pending)
+            mark("encode_end", items=len(pending))
         return {
-            "id": f"chatcmpl-{external_id}", "object": "chat.completion", "created": int(time.time()),
+            "id": f"chatcmpl-{origin.request_id}", "object": "chat.completion", "created": int(time.time()),
             "model": self.model_name,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": ""}, "finish_reason": "stop",
                          "logprobs": None}],
@@ -68,7 +82,7 @@ class EncodeServing:
             "mm_items": [{"index": i, "mm_hash": h} for i, h in enumerate(hashes)],
         }
 
-    async def completions(self, body: Any, external_id: str, headers: dict[str, str] | None = None) -> dict:
+    async def completions(self, body: Any, origin: Origin, headers: dict[str, str] | None = None) -> dict:
         raise bad_request("an encode instance only encodes images sent to /v1/chat/completions")
 
     def stats(self) -> dict[str, float]:

@@ -29,6 +29,7 @@ from pdserve.sampling_params import SamplingParams, SamplingParamsError
 from pdserve.server.errors import OpenAIError, bad_request, error_body
 from pdserve.server.kv_admission import KVAdmission, KVRequestParams, ParsedKV
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedFieldError
+from pdserve.telemetry.timeline import Origin, Timeline, TimelineStore
 from pdserve.tokenizer import Tokenizer, TokenizerError
 
 log = logging.getLogger(__name__)
@@ -57,8 +58,11 @@ class _Sequence:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, model_name: str, tokenizer: Tokenizer, max_model_len: int,
-                 kv_params: KVRequestParams | None = None, prompter: MultimodalPrompter | None = None) -> None:
+                 kv_params: KVRequestParams | None = None, prompter: MultimodalPrompter | None = None,
+                 role: str = "both") -> None:
         self.engine = engine
+        self.role = role
+        self.timelines = TimelineStore()
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -66,15 +70,15 @@ class OpenAIServing:
         self.prompter = prompter  # set for multimodal models
 
     # -- entry points -----------------------------------------------------------------------------------
-    async def completions(self, body: CompletionRequest, external_id: str,
+    async def completions(self, body: CompletionRequest, origin: Origin,
                           headers: dict[str, str] | None = None) -> dict | AsyncIterator[bytes]:
         kv = self.kv.parse(body.kv_transfer_params)
-        return await self._refusing_tells_producer(kv, self._completions(body, kv, external_id, headers))
+        return await self._refusing_tells_producer(kv, self._completions(body, kv, origin, headers))
 
-    async def chat(self, body: ChatCompletionRequest, external_id: str,
+    async def chat(self, body: ChatCompletionRequest, origin: Origin,
                    headers: dict[str, str] | None = None) -> dict | AsyncIterator[bytes]:
         kv = self.kv.parse(body.kv_transfer_params)
-        return await self._refusing_tells_producer(kv, self._chat(body, kv, external_id, headers))
+        return await self._refusing_tells_producer(kv, self._chat(body, kv, origin, headers))
 
     async def _refusing_tells_producer(self, kv: ParsedKV, work: Any) -> dict | AsyncIterator[bytes]:
         """A request that holds KV on a prefill instance and is refused here must free it there, at once."""
@@ -84,14 +88,14 @@ class OpenAIServing:
             self.kv.refused(kv, exc.message)
             raise
 
-    async def _completions(self, body: CompletionRequest, kv: ParsedKV, external_id: str,
+    async def _completions(self, body: CompletionRequest, kv: ParsedKV, origin: Origin,
                            headers: dict[str, str] | None) -> dict | AsyncIterator[bytes]:
         self._check_common(body)
         prompts = [self._completion_prompt(p) for p in body.prompts()]
         params = [self._params(body, body.max_tokens, len(p.token_ids)) for p in prompts]
-        return await self._run("completion", body, kv, f"cmpl-{external_id}", prompts, params, headers)
+        return await self._run("completion", body, kv, origin, prompts, params, headers)
 
-    async def _chat(self, body: ChatCompletionRequest, kv: ParsedKV, external_id: str,
+    async def _chat(self, body: ChatCompletionRequest, kv: ParsedKV, origin: Origin,
                     headers: dict[str, str] | None) -> dict | AsyncIterator[bytes]:
         self._check_common(body)
         if body.echo:
@@ -99,7 +103,7 @@ class OpenAIServing:
         prompt = await self._chat_prompt(body)
         token_ids = prompt.token_ids
         params = [self._params(body, body.requested_max_tokens(), len(token_ids))]
-        return await self._run("chat", body, kv, f"chatcmpl-{external_id}", [prompt], params, headers)
+        return await self._run("chat", body, kv, origin, [prompt], params, headers)
 
     async def _chat_prompt(self, body: ChatCompletionRequest) -> _Prompt:
         messages = body.message_dicts()
@@ -155,9 +159,10 @@ class OpenAIServing:
         return params
 
     # -- running ----------------------------------------------------------------------------------------
-    async def _run(self, kind: str, body: Any, kv: ParsedKV, response_id: str, prompts: list[_Prompt],
+    async def _run(self, kind: str, body: Any, kv: ParsedKV, origin: Origin, prompts: list[_Prompt],
                    params: list[SamplingParams], headers: dict[str, str] | None) -> dict | AsyncIterator[bytes]:
         kv_params = await self.kv.admit(kv, len(prompts) * params[0].n, prompts[0].token_ids)
+        response_id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{origin.request_id}"
         sequences: list[_Sequence] = []
         streams: list[AsyncIterator[RequestOutput]] = []
         internal_ids: list[str] = []
@@ -169,7 +174,11 @@ class OpenAIServing:
                 internal_ids.append(rid)
                 sequences.append(_Sequence(i, j, len(sequences)))
                 items = [dataclasses.replace(m) for m in prompt.mm_items]  # each sample owns its items' flags
-                streams.append(self._generate(external, rid, prompt.token_ids, p.for_child(j), kv_params, items))
+                timeline = self.timelines.start(origin.request_id, self.role, origin.arrival_ns,
+                                                internal_request_id=rid, transfer_id=_transfer_id_of(kv_params),
+                                                traceparent=origin.traceparent)
+                streams.append(self._generate(external, rid, prompt.token_ids, p.for_child(j), kv_params, items,
+                                              timeline))
         if headers is not None:
             # The instance's own ids (external id + random suffix): useful in logs, never shared between P and D.
             headers["X-Pdserve-Request-Ids"] = ",".join(internal_ids)
@@ -180,14 +189,14 @@ class OpenAIServing:
         return self._response(kind, body, response_id, created, prompts, sequences)
 
     def _generate(self, external_id: str, request_id: ReqId, token_ids: list[int], params: SamplingParams,
-                  kv_params: RemoteDecode | RemotePrefill | None, mm_items: list[MultiModalItem] | None = None
-                  ) -> AsyncIterator[RequestOutput]:
+                  kv_params: RemoteDecode | RemotePrefill | None, mm_items: list[MultiModalItem] | None = None,
+                  timeline: Timeline | None = None) -> AsyncIterator[RequestOutput]:
         try:
             self.engine.check_prompt(token_ids)  # the sampling params were validated in `_params`
         except PromptError as exc:
             raise bad_request(str(exc)) from exc
         return self.engine.generate(external_id, token_ids, params, kv_transfer_params=kv_params,
-                                    mm_items=mm_items or None, request_id=request_id)
+                                    mm_items=mm_items or None, request_id=request_id, timeline=timeline)
 
     async def _collect(self, sequences: list[_Sequence], streams: list[AsyncIterator[RequestOutput]]) -> None:
         async for index, out in merge(streams):
@@ -310,6 +319,10 @@ class OpenAIServing:
 
 
 # -- helpers ----------------------------------------------------------------------------------------------
+def _transfer_id_of(kv_params: RemoteDecode | RemotePrefill | None) -> str | None:
+    return getattr(kv_params, "transfer_id", None)
+
+
 def has_media(messages: list[dict[str, Any]]) -> bool:
     return any(isinstance(m.get("content"), list) and any(p.get("type") in IMAGE_PART_TYPES for p in m["content"])
                for m in messages)
