@@ -19,13 +19,18 @@ from pdserve.server.encode_serving import EncodeServing
 from pdserve.server.errors import error_body
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.serving import OpenAIServing
+from pdserve.telemetry.timeline import TimelineStore
+from pdserve.telemetry.tracing import make_exporter
 
 _ROLE_OF_KV_ROLE = {"kv_producer": "prefill", "kv_consumer": "decode"}
 
 
 class Instance:
-    def __init__(self, config: EngineConfig, request_timeout_s: float = 600.0) -> None:
+    def __init__(self, config: EngineConfig, request_timeout_s: float = 600.0,
+                 otlp_traces_endpoint: str | None = None) -> None:
         self.config = config
+        self.tracing = make_exporter(otlp_traces_endpoint, f"pdserve-{self._kv_role()}")
+        self.timelines = TimelineStore(self.tracing)
         model = config.resolve_model()
         self.connectors = build_connectors(config, model)
         self.ec = build_ec_connector(config.ec_transfer_config)
@@ -52,11 +57,11 @@ class Instance:
         if self.config.role == "encode":
             if prompter is None or self.ec is None:
                 raise ValueError("an encode instance needs a multimodal model and --ec-transfer-config")
-            return EncodeServing(self.async_engine, self.config.model_name, prompter, self.ec)
+            return EncodeServing(self.async_engine, self.config.model_name, prompter, self.ec, self.timelines)
         bundle = self.connectors
         return OpenAIServing(
             self.async_engine, self.config.model_name, self.engine.tokenizer, self.engine.max_model_len,
-            kv_params=bundle, prompter=prompter, role=self._kv_role())
+            kv_params=bundle, prompter=prompter, role=self._kv_role(), timelines=self.timelines)
 
     def _kv_role(self) -> str:
         """The role this instance plays for KV: `--role`, or what `kv_role` in the transfer config implies."""
@@ -132,3 +137,5 @@ class Instance:
         if self.ec is not None:
             self.ec.stop()
         self.async_engine.stop()
+        if self.tracing is not None:
+            self.tracing.shutdown()  # exports the spans still queued

@@ -24,6 +24,7 @@ from pdserve.gateway.registry import Instance, Registry
 from pdserve.ids import TransferId, new_transfer_id
 from pdserve.net.http_client import Response, UpstreamError, UpstreamTimeout
 from pdserve.telemetry.timeline import Timeline
+from pdserve.telemetry.tracing import new_span_id
 
 log = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
@@ -102,6 +103,7 @@ class Call:
     timeline: Timeline | None = None  # legs' start, first byte and end, for /v1/timeline and traces
     _counted: list[Instance] = field(default_factory=list)
     _upstream: list[Response] = field(default_factory=list)
+    _leg_spans: dict[str, int] = field(default_factory=dict)  # tracing: the open span of each leg
 
     # -- attempts -------------------------------------------------------------------------------------------
     def new_attempt(self) -> None:
@@ -150,7 +152,7 @@ class Call:
             raise self._leg_error(leg, instance, exc) from exc
         finally:
             self._forget(response, instance)
-            self.mark("leg_end", leg=leg, url=instance.url, status=response.status)
+            self.leg_ended(leg, instance, response.status)
         if response.status != 200:
             raise self._status_error(leg, instance, response.status, raw)
         try:
@@ -180,7 +182,7 @@ class Call:
             raise self._leg_error(leg, instance, exc) from exc
         finally:
             self._forget(response, instance)
-            self.mark("leg_end", leg=leg, url=instance.url, status=response.status)
+            self.leg_ended(leg, instance, response.status)
         self.stage = Stage.DONE
 
     async def _relay_stream(self, leg: str, instance: Instance, response: Response, sent_at: float) -> None:
@@ -201,15 +203,15 @@ class Call:
     async def _send(self, leg: str, instance: Instance, body: dict[str, Any], header_timeout: float) -> Response:
         instance.in_flight += 1
         self._counted.append(instance)
-        headers = [(b"content-type", b"application/json"), (b"x-request-id", self.request_id.encode())]
-        self.mark("leg_start", leg=leg, url=instance.url)
+        headers = [(b"content-type", b"application/json"), (b"x-request-id", self.request_id.encode()),
+                   *self.leg_started(leg, instance)]
         try:
             response = await instance.pool.request("POST", self.path, _encode(body), headers,
                                                    connect_timeout=self.gateway.deadlines.connect_s,
                                                    header_timeout=header_timeout)
         except (UpstreamError, UpstreamTimeout) as exc:
             self._uncount(instance)
-            self.mark("leg_end", leg=leg, url=instance.url, status=0)
+            self.leg_ended(leg, instance, 0)
             if isinstance(exc, UpstreamError):
                 self.gateway.registry.report_failure(instance)
             raise self._leg_error(leg, instance, exc) from exc
@@ -219,6 +221,27 @@ class Call:
     def mark(self, event: str, **attrs: Any) -> None:
         if self.timeline is not None:
             self.timeline.add(event, **attrs)
+
+    def leg_started(self, leg: str, instance: Instance, key: str | None = None) -> list[tuple[bytes, bytes]]:
+        """Record a leg's start; when tracing, give it a span and the `traceparent` header that names it.
+
+        `key` tells apart legs of one kind that run at once (several images encoded in parallel).
+        """
+        trace = self.timeline.trace if self.timeline is not None else None
+        if trace is None:
+            self.mark("leg_start", leg=leg, url=instance.url)
+            return []
+        span_id = new_span_id()
+        self.mark("leg_start", leg=leg, url=instance.url, span_id=span_id)
+        self._leg_spans[key or leg] = span_id
+        return [(b"traceparent", trace.traceparent_for(span_id).encode())]
+
+    def leg_ended(self, leg: str, instance: Instance, status: int, key: str | None = None) -> None:
+        span_id = self._leg_spans.pop(key or leg, None)
+        if span_id is None:
+            self.mark("leg_end", leg=leg, url=instance.url, status=status)
+        else:
+            self.mark("leg_end", leg=leg, url=instance.url, status=status, span_id=span_id)
 
     def _forget(self, response: Response, instance: Instance) -> None:
         if response in self._upstream:

@@ -44,6 +44,8 @@ def add_gateway_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-level", default="info")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="export request timelines as OpenTelemetry spans (needs pdserve[tracing])")
     return p
 
 
@@ -53,7 +55,7 @@ def load_config(args: argparse.Namespace) -> GatewayConfig:
         text = args.config.read_text()
         values = json.loads(text) if args.config.suffix == ".json" else tomllib.loads(text)
     for name in ("prefill", "decode", "both", "encode", "protocol", "scheduling", "policy", "retries", "conditional",
-                 "min_prompt_tokens", "prefix_threshold", "tokenizer", "allow_client_kv_params"):
+                 "min_prompt_tokens", "prefix_threshold", "tokenizer", "allow_client_kv_params", "otlp_traces_endpoint"):
         value = getattr(args, name)
         if value is not None:
             values[name] = value

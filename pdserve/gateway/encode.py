@@ -86,12 +86,11 @@ class EncodeFanout:
             return None
         body = {"model": call.body.get("model"), "messages": [{"role": "user", "content": [part]}]}
         deadlines = self.gateway.deadlines
-        call.mark("leg_start", leg="encode", url=instance.url)
+        headers = [(b"content-type", b"application/json"), (b"x-request-id", call.request_id.encode()),
+                   *call.leg_started("encode", instance, key=f"encode:{id(part)}")]
         status = 0
         try:
-            response = await instance.pool.request("POST", "/v1/chat/completions", _encode(body),
-                                                   [(b"content-type", b"application/json"),
-                                                    (b"x-request-id", call.request_id.encode())],
+            response = await instance.pool.request("POST", "/v1/chat/completions", _encode(body), headers,
                                                    connect_timeout=deadlines.connect_s,
                                                    header_timeout=deadlines.prefill_s)
             raw = await response.read(deadlines.prefill_s)
@@ -106,7 +105,7 @@ class EncodeFanout:
             metrics.child(metrics.encode_items, "failed").inc()
             return None
         finally:
-            call.mark("leg_end", leg="encode", url=instance.url, status=status)
+            call.leg_ended("encode", instance, status, key=f"encode:{id(part)}")
         if response.status != 200:
             metrics.child(metrics.encode_items, "failed").inc()
             return None

@@ -21,6 +21,7 @@ from pdserve.ids import TransferId
 from pdserve.net.http_client import HttpClient, UpstreamError, UpstreamTimeout
 from pdserve.server.errors import error_body
 from pdserve.telemetry.timeline import TimelineStore
+from pdserve.telemetry.tracing import make_exporter
 
 log = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
@@ -45,6 +46,7 @@ class GatewayConfig:
     probe_interval_s: float = 1.0
     scrape_interval_s: float = 0.2
     release_timeout_s: float = 5.0
+    otlp_traces_endpoint: str | None = None
 
 
 class Gateway:
@@ -65,7 +67,8 @@ class Gateway:
             for url in getattr(config, role):
                 self.registry.add(url, role)
         self.encoder = EncodeFanout(self)
-        self.timelines = TimelineStore()
+        self.tracing = make_exporter(config.otlp_traces_endpoint, "pdserve-gateway")
+        self.timelines = TimelineStore(self.tracing)
 
     async def start(self) -> None:
         await self.registry.probe_all()
@@ -76,6 +79,8 @@ class Gateway:
         if self._background:
             await asyncio.wait(self._background, timeout=self.config.release_timeout_s)
         self.client.close()
+        if self.tracing is not None:
+            self.tracing.shutdown()
 
     @property
     def ready(self) -> bool:

@@ -22,14 +22,15 @@ from pdserve.telemetry.timeline import Origin, TimelineStore
 
 
 class EncodeServing:
-    def __init__(self, engine: AsyncEngine, model_name: str, prompter: MultimodalPrompter, ec: ECConnector) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, prompter: MultimodalPrompter, ec: ECConnector,
+                 timelines: TimelineStore | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.max_model_len = engine.engine.max_model_len
         self.prompter = prompter
         self.ec = ec
         self.role = "encode"
-        self.timelines = TimelineStore()
+        self.timelines = timelines or TimelineStore()
         self.encoded = 0  # items run through the encoder
         self.reused = 0  # items whose stored output was still there
 

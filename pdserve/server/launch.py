@@ -54,6 +54,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed in the ready line)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds without progress before a request fails")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="export request timelines as OpenTelemetry spans to this OTLP/HTTP collector "
+                        "(needs pdserve[tracing]; off by default)")
     return p
 
 
@@ -80,7 +83,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from pdserve.instance import Instance
 
     config = engine_config_from_args(args)
-    instance = Instance(config, request_timeout_s=args.request_timeout)
+    instance = Instance(config, request_timeout_s=args.request_timeout, otlp_traces_endpoint=args.otlp_traces_endpoint)
     sock = bind_socket(args.host, args.port)
     asyncio.run(serve_app(instance, sock, args.log_level))
     return 0

@@ -59,10 +59,10 @@ class _Sequence:
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, model_name: str, tokenizer: Tokenizer, max_model_len: int,
                  kv_params: KVRequestParams | None = None, prompter: MultimodalPrompter | None = None,
-                 role: str = "both") -> None:
+                 role: str = "both", timelines: TimelineStore | None = None) -> None:
         self.engine = engine
         self.role = role
-        self.timelines = TimelineStore()
+        self.timelines = timelines or TimelineStore()
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len

@@ -33,6 +33,7 @@ class Timeline:
     events: list[tuple[str, int, dict[str, Any]]] = field(default_factory=list)
     traceparent: str | None = None  # the W3C trace context this request arrived with, if any
     on_finish: Callable[[Timeline], None] | None = None  # the exporter's hook (tracing on)
+    trace: Any = None  # this request's place in a trace (tracing on)
 
     def add(self, name: str, time_ns: int | None = None, **attrs: Any) -> None:
         self.events.append((name, time.time_ns() if time_ns is None else time_ns, attrs))
@@ -72,15 +73,18 @@ def wall_ns_of(monotonic_s: float) -> int:
 class TimelineStore:
     """The timelines of the last `capacity` request ids, live and finished; one per process, never global."""
 
-    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+    def __init__(self, exporter: Any = None, capacity: int = DEFAULT_CAPACITY) -> None:
+        self.exporter = exporter  # a tracing.TimelineExporter when tracing is on
         self.capacity = capacity
         self._lock = threading.Lock()
         self._by_id: OrderedDict[str, list[Timeline]] = OrderedDict()
-        self.on_finish: Callable[[Timeline], None] | None = None  # set when tracing is on
 
     def start(self, request_id: str, role: str, arrival_ns: int | None = None, **ids: Any) -> Timeline:
         """A new timeline with its `arrival` event, findable by `request_id` from now on."""
-        timeline = Timeline(request_id, role, on_finish=self.on_finish, **ids)
+        timeline = Timeline(request_id, role, **ids)
+        if self.exporter is not None:
+            timeline.on_finish = self.exporter.export
+            self.exporter.start(timeline)
         timeline.add("arrival", arrival_ns)
         with self._lock:
             self._by_id.setdefault(request_id, []).append(timeline)
