@@ -44,6 +44,7 @@ import random
 import socket
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -71,10 +72,10 @@ def png_data_url(seed: int, size: int) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def stream_first_chat(client, url: str, body: dict) -> tuple[float, str]:
+def stream_first_chat(client: Any, url: str, body: dict, request_id: str) -> tuple[float, str]:
     """POST a streamed chat completion; returns (monotonic time of the first token chunk, the whole text)."""
     first_t, text = None, []
-    for t, data in H.sse_data(client, f"{url}/v1/chat/completions", body):
+    for t, data in H.sse_data(client, f"{url}/v1/chat/completions", body, {"X-Request-Id": request_id}):
         obj = json.loads(data)
         if "choices" not in obj:
             raise RuntimeError(f"{url}: error in stream: {data[:500]}")
@@ -164,20 +165,13 @@ class Bench:
         before = {n: H.scrape(client, self.url(n)) for n in names}
         self.contention.mark()
         t0 = time.monotonic()
-        t1, text = stream_first_chat(client, url, body)
+        t1, text = stream_first_chat(client, url, body, rid := f"bench-{uuid.uuid4().hex[:16]}")
         others = self.contention.since_mark()["others"]
-        deadline = time.monotonic() + 5
-        while True:  # let P's lease end and the gateway observe the request before the next one starts
-            after = {n: H.scrape(client, self.url(n)) for n in names}
-            settled = all(after[n].get("pdserve:num_requests_held", 0) == 0
-                          and after[n].get("pdserve:kv_leases_held", 0) == 0 for n in insts)
-            if gw:
-                settled = settled and sum(H.delta(after[gw], before[gw], k) for k in after[gw]
-                                          if k.startswith("pdserve:gateway_requests_total")) >= 1
-            if settled or time.monotonic() > deadline:
-                break
-            time.sleep(0.005)
-        r: dict[str, Any] = {"ttft": t1 - t0, "others": others, "text": text, "t0": t0, "t1": t1}
+        after = H.settle(client, {n: self.url(n) for n in names}, before, insts, gw)
+        r: dict[str, Any] = {"ttft": t1 - t0, "others": others, "text": text}
+        if gw == "G":  # E's own encode time, from its timeline of this request (absent on a gateway cache hit)
+            ev = H.timeline_events(client, self.url("E"), rid)
+            r["e_encode"] = H.first_event(ev, "encode_end") - H.first_event(ev, "encode_start")
         srv = "vllm:time_to_first_token_seconds_sum"
         for n in insts:
             a, b = after[n], before[n]
@@ -199,10 +193,7 @@ class Bench:
             a, b = after[gw], before[gw]
             for outcome in ("encoded", "cache_hit", "failed"):
                 r[f"gw_{outcome}"] = H.delta(a, b, f"pdserve:gateway_encode_items_total|outcome={outcome}")
-            for leg in ("prefill", "kv_ready", "decode_first_token", "e2e"):
-                n = H.delta(a, b, f"pdserve:gateway_leg_seconds_count|leg={leg}")
-                if n:
-                    r[f"gw_{leg}"] = H.delta(a, b, f"pdserve:gateway_leg_seconds_sum|leg={leg}") / n
+            r.update(H.leg_means(a, b))
             if "gw_kv_ready" in r and "gw_prefill" in r:
                 r["gw_before_P"] = r["gw_kv_ready"] - r["gw_prefill"]
         return r
@@ -248,16 +239,6 @@ class Bench:
             if record is not None:
                 r["rep"] = rep
                 record.setdefault((mode, k), []).append(r)
-        if record is not None:  # E alone: one new image, posted straight to E as the gateway does, then again
-            e_img = self.new_images(1)
-            for key in ("E_direct_new", "E_direct_seen"):
-                t0 = time.monotonic()
-                resp = client.post(f"{self.url('E')}/v1/chat/completions",
-                                   json={"model": MODEL_NAME, "messages": [{"role": "user", "content": [
-                                       {"type": "image_url", "image_url": {"url": e_img[0]}}]}]})
-                if resp.status_code != 200:
-                    raise RuntimeError(f"E: HTTP {resp.status_code}: {resp.text[:300]}")
-                record.setdefault((key, k), []).append({"ttft": time.monotonic() - t0, "others": 0.0, "rep": rep})
         for mode in hits:
             base = images[HIT_OF[mode]]
             body = (self.body(base, f"{self.words()} look:", "describe") if mode == "epd_hit_pre"
@@ -287,10 +268,10 @@ def summarize(connector: str, args, samples, agree) -> dict[str, Any]:
         for m in modes:
             row[f"{m}_ms"] = H.median([r["ttft"] for r in by[m]]) * 1e3
             row[f"{m}_all_ms"] = [round(r["ttft"] * 1e3, 2) for r in by[m]]
-            for key in sorted({kk for r in by[m] for kk in r if kk not in ("ttft", "others", "text", "rep", "t0", "t1")}):
+            for key in sorted({kk for r in by[m] for kk in r if kk not in ("ttft", "others", "text", "rep")}):
                 vals = [r[key] for r in by[m] if key in r]
-                scale = 1e3 if key.endswith(("_srv", "_prefill", "_kv_ready", "_decode_first_token", "_e2e",
-                                              "_before_P")) else 1
+                scale = 1e3 if key.endswith(("_srv", "_prefill", "_kv_ready", "_decode_first_token", "_before_P",
+                                              "_encode")) else 1
                 row[f"{m}:{key}"] = H.median(vals) * scale
 
         def paired(a: str, b: str, ratio: bool, by=by) -> float:
@@ -305,8 +286,6 @@ def summarize(connector: str, args, samples, agree) -> dict[str, Any]:
             row[f"{a_}/{b_}"] = row[f"{a_}_ms"] / row[f"{b_}_ms"]
             row[f"{a_}/{b_} paired"] = paired(a_, b_, True)
             row[f"{a_}-{b_} ms paired"] = paired(a_, b_, False)
-        for key in ("E_direct_new", "E_direct_seen"):
-            row[f"{key}_ms"] = H.median([r["ttft"] for r in samples.get((key, k), []) if r["rep"] in keep]) * 1e3
         res["rows"].append(row)
     return res
 
@@ -341,9 +320,10 @@ def print_set(res: dict[str, Any], args) -> None:
                   f"   {what}")
     print("  checks and breakdown (medians per request): gw enc/hit = gateway encode_items encoded/cache_hit; E runs = "
           "E's encoder_runs; enc h/m = encoder cache hits/misses on P or C; ec = ec_loads; pfx = prefix-cache hit "
-          "tokens; srv = own TTFT; gw<P = gateway time before the P leg (encode fan-out)")
+          "tokens; srv = own TTFT; gw<P = gateway time before the P leg (encode fan-out); E enc = E's timeline "
+          "encode_start -> encode_end")
     print(f"  {'imgs':>4} {'mode':<12} {'TTFT':>6} {'gw enc/hit':>10} {'E runs':>6} {'enc h/m':>8} {'ec':>4} "
-          f"{'pfx':>5} {'computed':>8} {'srv':>6} {'D srv':>6} {'gw<P':>6} {'gw prefill':>10} {'gw D 1st':>8}")
+          f"{'pfx':>5} {'computed':>8} {'srv':>6} {'D srv':>6} {'gw<P':>6} {'gw prefill':>10} {'gw D 1st':>8} {'E enc':>6}")
     for r in res["rows"]:
         k = r["images"]
         for m in list(NEW_MODES) + list(HIT_MODES):
@@ -355,9 +335,7 @@ def print_set(res: dict[str, Any], args) -> None:
                   f"{fmt(g(f'{tag}_ec_loads'), '.0f'):>4} {fmt(g(f'{tag}_prefix_hit_tokens'), '.0f'):>5} "
                   f"{fmt(g(f'{tag}_prompt_tokens_computed'), '.0f'):>8} {fmt(g(f'{tag}_srv'), '.1f'):>6} "
                   f"{fmt(g('d_srv'), '.1f'):>6} {fmt(g('gw_before_P'), '.1f'):>6} {fmt(g('gw_prefill'), '.1f'):>10} "
-                  f"{fmt(g('gw_decode_first_token'), '.1f'):>8}")
-    print("  E alone (one 1-image request posted straight to E, median ms): " + "; ".join(
-        f"new image {r['E_direct_new_ms']:.1f}, seen image {r['E_direct_seen_ms']:.1f}" for r in res["rows"][:1]))
+                  f"{fmt(g('gw_decode_first_token'), '.1f'):>8} {fmt(g('e_encode'), '.1f'):>6}")
     print(f"  E->P->D tokens equal C's (same request): {res['agree']}")
 
 

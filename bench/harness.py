@@ -387,6 +387,36 @@ def delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
     return after.get(key, 0.0) - before.get(key, 0.0)
 
 
+HELD = ("pdserve:num_requests_held", "pdserve:kv_leases_held", "pdserve:kv_push_expected")
+
+
+def settle(client: Any, urls: dict[str, str], before: dict[str, dict[str, float]], insts: list[str],
+           gw: str | None) -> dict[str, dict[str, float]]:
+    """Metrics of every process in `before` once the request is over everywhere: P frees after read-done or
+    write-done and the gateway counts the request after the stream, so the next request cannot overlap this
+    one's tail (gives up after 5 s and returns what it has)."""
+    deadline = time.monotonic() + 5
+    while True:
+        after = {n: scrape(client, urls[n]) for n in before}
+        settled = all(after[n].get(k, 0) == 0 for n in insts for k in HELD)
+        if gw:
+            settled = settled and sum(delta(after[gw], before[gw], k) for k in after[gw]
+                                      if k.startswith("pdserve:gateway_requests_total")) >= 1
+        if settled or time.monotonic() > deadline:
+            return after
+        time.sleep(0.005)
+
+
+def leg_means(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    """The gateway's mean seconds per leg over the requests between two scrapes (pdserve:gateway_leg_seconds)."""
+    out = {}
+    for leg in ("prefill", "kv_ready", "decode_first_token"):
+        n = delta(after, before, f"pdserve:gateway_leg_seconds_count|leg={leg}")
+        if n:
+            out[f"gw_{leg}"] = delta(after, before, f"pdserve:gateway_leg_seconds_sum|leg={leg}") / n
+    return out
+
+
 def timeline_events(client: Any, url: str, request_id: str) -> list[tuple[str, float, dict[str, Any]]]:
     """(event name, wall-clock seconds, attrs) of every timeline a process kept for one client request id, in time
     order; empty when the process has none (too old, or a pdserve without timelines)."""

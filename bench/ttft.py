@@ -88,7 +88,7 @@ class Set:
             p_leg = float("nan")
         r: dict[str, Any] = {"ttft": t1 - t0, "p_leg": p_leg, "others": meter.since_mark()["others"],
                              "text": first["choices"][0].get("text")}
-        after = self._settle(client, insts, gw, before, mode)
+        after = H.settle(client, {n: sv.url(n) for n in names}, before, insts, gw)
         self._breakdown(r, insts, gw, before, after)
         if self.args.timeline and mode not in ("C", "C_gw"):
             ev = H.timeline_events(client, sv.url("D"), rid)
@@ -106,21 +106,6 @@ class Set:
         t1, first = H.stream_first(client, self.servers.url("D") + "/v1/completions", body, {"X-Request-Id": rid})
         return t1, first, p_leg
 
-    def _settle(self, client: Any, insts: list[str], gw: str | None, before: dict, mode: str) -> dict:
-        """Metrics once the request is over everywhere: P frees after read-done / write-done, and the gateway counts
-        the request after the stream, so the next request cannot overlap this one's tail."""
-        deadline = time.monotonic() + 5
-        while True:
-            after = {n: H.scrape(client, self.servers.url(n)) for n in before}
-            held = ("pdserve:num_requests_held", "pdserve:kv_leases_held", "pdserve:kv_push_expected")
-            settled = all(after[n].get(k, 0) == 0 for n in insts for k in held)
-            if gw:
-                key = f"pdserve:gateway_requests_total|outcome=ok|protocol={GW_PROTOCOL[mode]}"
-                settled = settled and H.delta(after[gw], before[gw], key) >= 1
-            if settled or time.monotonic() > deadline:
-                return after
-            time.sleep(0.005)
-
     @staticmethod
     def _breakdown(r: dict, insts: list[str], gw: str | None, before: dict, after: dict) -> None:
         def d(name: str, key: str) -> float:
@@ -133,10 +118,8 @@ class Set:
             r["srv"], r["d_srv"] = d("P", srv), d("D", srv)
             r["d_load"] = d("D", "pdserve:kv_transfer_load_seconds_total")
             r["moved"] = d("D", "pdserve:kv_transfer_bytes_received_total") + d("P", "pdserve:kv_push_bytes_sent_total")
-        for leg in ("prefill", "kv_ready", "decode_first_token") if gw else ():
-            n = d(gw, f"pdserve:gateway_leg_seconds_count|leg={leg}")
-            if n:
-                r[f"gw_{leg}"] = d(gw, f"pdserve:gateway_leg_seconds_sum|leg={leg}") / n
+        if gw:
+            r.update(H.leg_means(after[gw], before[gw]))
 
 
 def make_model(work: Path, max_pos: int) -> Path:
