@@ -7,10 +7,9 @@ public seam, `plane.connect(info).read_blocks(...)`, into its own pre-touched po
   * memcpy: `dst.copy_(src)` of the same bytes between two private tensors (the shm limit);
   * raw: a 16-byte request, then `sendall` of the same bytes straight from the child's pool, `recv_into` the
     parent's pool over loopback TCP with TCP_NODELAY, like the plane (the tcp limit).
-Block ids: consecutive; descending (what pdserve's allocator hands out once requests were freed tail first);
-scattered (random on both sides). Each method reads its own random region each round, the order rotates, the whole
-pool goes through every path first (page faults), rounds wait for a quiet machine and the ones other processes
-disturbed are dropped when enough quiet ones remain. Once per torch thread count in --threads.
+Block ids: consecutive, descending (what the allocator hands out after a tail-first free) or scattered. Each method
+reads its own random region each round, the order rotates, the whole pool goes through every path first; rounds
+others disturbed are dropped when enough quiet ones remain. Once per torch thread count in --threads.
 
   .venv/bin/python bench/dataplane.py --quick                                 # smoke run (~1 min)
   .venv/bin/python bench/dataplane.py --json bench/out/dataplane.json         # the table in docs/benchmarks.md

@@ -9,10 +9,6 @@ Workloads:
     time - first token time) / 63. HF timestamps every step with a BaseStreamer; pdserve is stepped by hand.
 Both engines run in this process with the same torch thread count, are warmed up first, and their repetitions are
 interleaved (the order alternates every rep) so that background load hits both alike. Ratios are of medians.
-The roofline: each forward step takes at least max(FLOPs / GEMM peak, bytes / DRAM bandwidth), bytes = every weight
-but the embedding table + the KV cache read, FLOPs = 2 x linear params per token + lm_head on the sampled rows +
-attention (4 x heads x head_dim x visible keys per token per layer); peak and bandwidth are the best samples of the
-probes at the start and end of the run, so the bound is an optimistic one.
 `--profile` instead times pdserve's decode steps (batch 64 and batch 1) and the prefill, and lists torch.profiler's
 top ops for each.
 
@@ -25,6 +21,7 @@ top ops for each.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -98,8 +95,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness as H  # noqa: E402
 
 
-def log(msg: str = "") -> None:
-    print(msg, flush=True)
+log = functools.partial(print, flush=True)
 
 
 # ----------------------------------------------------------------------------- models, prompts, engines
@@ -319,14 +315,15 @@ def bench_one(preset: str, model_dir: Path, dtype: str, wl: Workload, args: argp
     res: dict[str, Any] = dict(preset=preset, dtype=dtype, threads=args.threads, config=config.get("text_config", config),
                                n_prompts=len(offline_prompts), offline={}, latency={})
     n_tok = len(offline_prompts) * wl.new_tokens
+    strip = lambda r: {k: v for k, v in r.items() if k not in ("tokens", "segments", "gaps")}  # noqa: E731
     for name, runs in off.items():
         res["offline"][name] = dict(out_tok_s=H.Summary.of([r["out_tok_s"] for r in runs]),
                                     decode_step_ms=H.Summary.of([r["decode_step_ms"] for r in runs]),
-                                    steady=steady(runs, n_tok), reps=[_strip(r) for r in runs])
+                                    steady=steady(runs, n_tok), reps=[strip(r) for r in runs])
     for name, runs in lat.items():
         res["latency"][name] = dict(ttft_ms=H.Summary.of([r["ttft_ms"] for r in runs]),
                                     tpot_ms=H.Summary.of([r["tpot_ms"] for r in runs]),
-                                    steady=steady(runs), reps=[_strip(r) for r in runs])
+                                    steady=steady(runs), reps=[strip(r) for r in runs])
     pd = [n for n in names if n.startswith("pdserve")]
     res["best_pdserve"] = best = max(pd, key=lambda n: res["offline"][n]["out_tok_s"].median)
     if not args.no_hf:
@@ -344,16 +341,15 @@ def bench_one(preset: str, model_dir: Path, dtype: str, wl: Workload, args: argp
     return res
 
 
-def _strip(r: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in r.items() if k not in ("tokens", "segments", "gaps")}
-
-
 # ----------------------------------------------------------------------------- roofline and report
 
 
 @dataclass(frozen=True, slots=True)
 class Roofline:
-    """Lower bounds on step times for one model (its config.json), dtype and machine."""
+    """Lower bounds on step times: each forward step takes at least max(FLOPs / GEMM peak, bytes / DRAM bandwidth),
+    bytes = every weight but the embedding table + the KV cache read, FLOPs = 2 x linear params per token + lm_head on
+    the sampled rows + attention (4 x heads x head_dim x visible keys per token per layer). Peak and bandwidth are the
+    best samples of the probes at the start and end of the run, so the bound is an optimistic one."""
 
     layers: int
     heads: int

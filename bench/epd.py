@@ -1,32 +1,21 @@
 """TTFT of E->P->D against colocated for 1 and 4 images, and the time an encoder-cache hit saves, in one run.
 
-Issue: "TTFT of E->P->D against colocated for 1 and 4 images, and the time saved by an encoder-cache hit."
-
-Model: the tiny LLaVA of pdserve.modelgen.llava (CLIP tower 64 wide, 2 layers, 32x32 input, 16 image tokens per
-image; Llama text model 128 wide, 2 layers). Images: seeded random RGB pixels, PNG data URLs (--image-size, default
-336x336, which the processor resizes to 32x32). Chat requests: [text, image x k, text], max_tokens 8, greedy,
-streamed, `logprobs: true` (so every token gets its own chunk); TTFT = send -> first streamed token chunk (the
-role chunk is skipped).
+Model: the tiny LLaVA of pdserve.modelgen.llava (CLIP tower 64 wide, 2 layers, 16 image tokens per image; Llama text
+model 128 wide, 2 layers). Images: seeded random RGB pixels as PNG data URLs (--image-size, default 336x336, resized
+to 32x32 by the processor). Chat requests [text, image x k, text], max_tokens 8, greedy, streamed with `logprobs`
+(every token its own chunk); TTFT = send -> first streamed token chunk (the role chunk is skipped).
 
 Processes, all real: per EC connector (ECStorageConnector: E writes safetensors to a shared folder; ECP2PConnector:
-E keeps outputs in memory and P fetches them over ZMQ) an encode instance E (ec_producer), P (kv_producer +
-ec_consumer) and D (kv_consumer + ec_consumer), and a gateway `--encode E --prefill P --decode D --protocol pull`;
-shared by all sets: C (colocated), C_nopc (colocated, --no-enable-prefix-caching) and a gateway
-`--protocol colocated --both C` (C_gw: the same number of HTTP hops as E->P->D's client sees).
-Modes per k in {1, 4} (every "new" mode gets its own never-seen images; each "hit" mode repeats the images of its
-"new" mode, in the same rep, after all new modes ran; orders shuffled each rep):
-  C_new, C_gw_new, C_nopc_new, epd_new             new images;
-  C_hit                                            C again, same images, different text AFTER them (encoder-cache
-                                                   hit, and the blocks before the text can be KV prefix-cache hits);
-  C_nopc_hit                                       the same on C_nopc (encoder cache only: no prefix caching);
-  epd_hit                                          E->P->D again, same images, different text after them (gateway
-                                                   cache hit: E not called; P's encoder cache and prefix cache);
-  epd_hit_pre                                      E->P->D again, same images, different text BEFORE them (no KV
-                                                   prefix can match: encoder-side reuse only).
-Checks per request from /metrics deltas: the gateway's encode_items (encoded / cache_hit / failed), E's
-encoder_runs (0 on a hit), P's / C's encoder_cache_hits and misses, ec_loads, prefix_cache_hits; breakdown: the
-gateway's legs (prefill, kv_ready; kv_ready - prefill = time before P is called, i.e. the encode fan-out), each
-instance's own vllm:time_to_first_token_seconds.
+P fetches E's in-memory outputs over ZMQ) an encode instance E, P (kv_producer + ec_consumer), D (kv_consumer +
+ec_consumer) and a gateway `--encode E --prefill P --decode D`; shared by all sets: C (colocated), C_nopc (without
+prefix caching) and a `--protocol colocated` gateway in front of C (C_gw: as many HTTP hops as E->P->D has).
+Modes per image count (each "new" mode gets never-seen images; each "hit" mode repeats its "new" mode's images in
+the same rep, after all new modes ran; orders shuffled each rep): C_new, C_gw_new, C_nopc_new, epd_new; C_hit and
+C_nopc_hit (same images, other text after them: encoder-cache hit, plus KV prefix hits on C); epd_hit (gateway
+cache hit: E not called; P's encoder and prefix caches); epd_hit_pre (other text BEFORE the images: no KV prefix can
+match, encoder-side reuse only). Checks and breakdown per request from /metrics deltas (the gateway's encode items
+and legs, E's encoder runs, P's / C's encoder-cache hits, EC loads, prefix hits, each instance's own TTFT) and E's
+request timeline (encode_start -> encode_end).
 
   .venv/bin/python bench/epd.py --quick                                 # smoke run (~1 min)
   .venv/bin/python bench/epd.py --json bench/out/epd.json               # the table in docs/benchmarks.md
@@ -70,26 +59,6 @@ def png_data_url(seed: int, size: int) -> str:
     buf = io.BytesIO()
     img.save(buf, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-def stream_first_chat(client: Any, url: str, body: dict, request_id: str) -> tuple[float, str]:
-    """POST a streamed chat completion; returns (monotonic time of the first token chunk, the whole text)."""
-    first_t, text = None, []
-    for t, data in H.sse_data(client, f"{url}/v1/chat/completions", body, {"X-Request-Id": request_id}):
-        obj = json.loads(data)
-        if "choices" not in obj:
-            raise RuntimeError(f"{url}: error in stream: {data[:500]}")
-        if not obj["choices"]:
-            continue
-        ch = obj["choices"][0]
-        content = (ch.get("delta") or {}).get("content")
-        if first_t is None and (ch.get("logprobs") or content or ch.get("finish_reason")):
-            first_t = t  # the role chunk (empty content, no logprobs) is not a token
-        if content:
-            text.append(content)
-    if first_t is None:
-        raise RuntimeError(f"{url}: the stream had no token")
-    return first_t, "".join(text)
 
 
 class Bench:
@@ -165,7 +134,8 @@ class Bench:
         before = {n: H.scrape(client, self.url(n)) for n in names}
         self.contention.mark()
         t0 = time.monotonic()
-        t1, text = stream_first_chat(client, url, body, rid := f"bench-{uuid.uuid4().hex[:16]}")
+        rid = f"bench-{uuid.uuid4().hex[:16]}"
+        t1, text = H.stream_first(client, f"{url}/v1/chat/completions", body, {"X-Request-Id": rid})
         others = self.contention.since_mark()["others"]
         after = H.settle(client, {n: self.url(n) for n in names}, before, insts, gw)
         r: dict[str, Any] = {"ttft": t1 - t0, "others": others, "text": text}

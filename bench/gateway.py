@@ -318,11 +318,9 @@ def print_tables(summary: dict[str, Any], targets: list[str]) -> list[dict[str, 
 
 
 def check_targets(rows: dict[str, Any]) -> list[dict[str, Any]]:
-    def row(key: str) -> dict[str, Any]:
-        return rows.get(key) or {}
-
-    pd, vr, sg, pd1, vr1 = row("pdserve/c32"), row("vllm-router/c32"), row("sglang-router/c32"), row("pdserve/c1"), \
-        row("vllm-router/c1")
+    pd, vr, sg, pd1, vr1, pds, vrs = (rows.get(f"{t}/{k}") for t, k in (
+        ("pdserve", "c32"), ("vllm-router", "c32"), ("sglang-router", "c32"), ("pdserve", "c1"), ("vllm-router", "c1"),
+        ("pdserve", "stream"), ("vllm-router", "stream")))
     checks: list[tuple[str, float, str, bool | None]] = []
     if pd and vr:
         for label, key in (("raw", "router_us_per_req"), ("net of idle", "router_us_net")):
@@ -342,7 +340,6 @@ def check_targets(rows: dict[str, Any]) -> list[dict[str, Any]]:
     if pd1 and vr1:
         checks.append(("pdserve - vllm-router added p50 at c=1 (ms; info)",
                        pd1["added_p50_ms"] - vr1["added_p50_ms"], "-", None))
-    pds, vrs = row("pdserve/stream"), row("vllm-router/stream")
     if pds and vrs:
         checks.append(("pdserve / vllm-router CPU us/req, streaming c=32 (info)",
                        pds["router_us_per_req"] / vrs["router_us_per_req"], "-", None))

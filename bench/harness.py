@@ -108,10 +108,7 @@ def write_json(path: str | Path | None, results: Any) -> None:
 
 
 def loadavg() -> str:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "?"
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
 def _stat_fields(pid: int) -> list[str]:
@@ -157,12 +154,9 @@ class CpuMeter:
         self._mark = self._read()
 
     def _read(self) -> tuple[float, float, float, float]:
-        try:
-            f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        except (OSError, ValueError):
-            f = [0] * 8
-        busy = sum(f[i] for i in (0, 1, 2, 5, 6) if i < len(f)) / CLK_TCK  # user nice system irq softirq
-        steal = (f[7] if len(f) > 7 else 0) / CLK_TCK
+        f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        busy = sum(f[i] for i in (0, 1, 2, 5, 6)) / CLK_TCK  # user nice system irq softirq
+        steal = f[7] / CLK_TCK
         t = os.times()
         mine = t.user + t.system + sum(cpu_seconds(p) for p in self.pids)
         return time.monotonic(), busy, steal, mine
@@ -212,17 +206,9 @@ class Hardware:
 
 
 def _cpu_info() -> tuple[str, set[str]]:
-    name, flags = platform.processor() or "?", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and name in ("?", "", "x86_64"):
-                name = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    return name, flags
+    info = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines())
+    info = {k.strip(): v.strip() for k, v in info.items()}
+    return info.get("model name", platform.processor() or "?"), set(info.get("flags", "").split())
 
 
 def probe_hardware(threads: int, copy_bytes: int = GiB, matmul_n: int = 2048, rounds: int = 3, reps: int = 2,
@@ -354,18 +340,21 @@ def sse_data(client: Any, url: str, body: dict, headers: dict[str, str] | None =
                 yield time.monotonic(), line[6:]
 
 
-def stream_first(client: Any, url: str, body: dict, headers: dict[str, str] | None = None) -> tuple[float, dict]:
-    """POST a streamed request; (monotonic time of the first chunk with a choice, that chunk). Drains the rest."""
-    first_t, first = None, None
+def stream_first(client: Any, url: str, body: dict, headers: dict[str, str] | None = None) -> tuple[float, str]:
+    """POST a streamed completion or chat; (monotonic time of the first token's chunk, the whole text). A chat's
+    opening role chunk (no content, no logprobs) carries no token."""
+    first_t, text = None, []
     for t, data in sse_data(client, url, body, headers):
         chunk = json.loads(data)
         if "choices" not in chunk:
             raise RuntimeError(f"{url}: error in stream: {data[:500]}")
-        if first_t is None and chunk["choices"]:
-            first_t, first = t, chunk
+        for ch in chunk["choices"][:1]:
+            text.append(ch.get("text") or (ch.get("delta") or {}).get("content") or "")
+            if first_t is None and (text[-1] or ch.get("logprobs") or ch.get("finish_reason")):
+                first_t = t
     if first_t is None:
         raise RuntimeError(f"{url}: the stream had no token")
-    return first_t, first
+    return first_t, "".join(text)
 
 
 def scrape(client: Any, url: str) -> dict[str, float]:

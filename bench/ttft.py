@@ -81,13 +81,13 @@ class Set:
         meter.mark()
         t0 = time.monotonic()
         if mode == "pd":
-            t1, first, p_leg = self._pd(client, prompt, rid)
+            t1, text, p_leg = self._pd(client, prompt, rid)
         else:
-            t1, first = H.stream_first(client, sv.url(gw or "C") + "/v1/completions", self.body(prompt),
-                                       {"X-Request-Id": rid})
+            t1, text = H.stream_first(client, sv.url(gw or "C") + "/v1/completions", self.body(prompt),
+                                      {"X-Request-Id": rid})
             p_leg = float("nan")
         r: dict[str, Any] = {"ttft": t1 - t0, "p_leg": p_leg, "others": meter.since_mark()["others"],
-                             "text": first["choices"][0].get("text")}
+                             "text": text}
         after = H.settle(client, {n: sv.url(n) for n in names}, before, insts, gw)
         self._breakdown(r, insts, gw, before, after)
         if self.args.timeline and mode not in ("C", "C_gw"):
@@ -95,7 +95,7 @@ class Set:
             r["tl_xfer"] = H.first_event(ev, "kv_transfer_end") - H.first_event(ev, "kv_transfer_start")
         return r
 
-    def _pd(self, client: Any, prompt: list[int], rid: str) -> tuple[float, dict, float]:
+    def _pd(self, client: Any, prompt: list[int], rid: str) -> tuple[float, str, float]:
         t0 = time.monotonic()
         body = {**self.body(prompt, stream=False), "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
         rp = client.post(self.servers.url("P") + "/v1/completions", json=body, headers={"X-Request-Id": rid})
@@ -103,8 +103,8 @@ class Set:
             raise RuntimeError(f"P: HTTP {rp.status_code}: {rp.text[:500]}")
         body = {**self.body(prompt), "kv_transfer_params": rp.json()["kv_transfer_params"]}
         p_leg = time.monotonic() - t0
-        t1, first = H.stream_first(client, self.servers.url("D") + "/v1/completions", body, {"X-Request-Id": rid})
-        return t1, first, p_leg
+        t1, text = H.stream_first(client, self.servers.url("D") + "/v1/completions", body, {"X-Request-Id": rid})
+        return t1, text, p_leg
 
     @staticmethod
     def _breakdown(r: dict, insts: list[str], gw: str | None, before: dict, after: dict) -> None:
@@ -139,7 +139,7 @@ def run_set(s: Set, args: argparse.Namespace, client: Any, meter: H.CpuMeter) ->
         return [gen.randrange(100, 32000) for _ in range(n)]
 
     t = time.monotonic()
-    agree = {}  # the same prompt through every mode: first tokens equal C's
+    agree = {}  # the same prompt through every mode: the same tokens as C
     pr = prompt(min(1024, max(args.lengths)))
     ref = s.send(client, "C", pr, meter)["text"]
     for mode in args.modes:
@@ -153,7 +153,7 @@ def run_set(s: Set, args: argparse.Namespace, client: Any, meter: H.CpuMeter) ->
         for n in args.lengths:
             for mode in args.modes:
                 s.send(client, mode, prompt(n), meter)
-    print(f"  [{s.label}] first tokens agree with C: {agree}; pools cycled + warm-up {time.monotonic() - t:.1f} s",
+    print(f"  [{s.label}] answers agree with C: {agree}; pools cycled + warm-up {time.monotonic() - t:.1f} s",
           flush=True)
     samples: dict[str, list[dict[str, Any]]] = {f"{m}/{n}": [] for m in args.modes for n in args.lengths}
     for rep, order in H.rotations(args.modes, args.reps):
@@ -245,7 +245,7 @@ def print_set(res: dict[str, Any]) -> None:
                   f"{g('gw_prefill_ms'):>7} {g('gw_kv_ready_ms'):>7} {g('gw_decode_first_token_ms'):>7} "
                   f"{g('d_load_ms'):>7} {g('tl_xfer_ms'):>7} {g('moved_MiB'):>6} {H.fmt(slow, '.3f'):>9}")
     worst = max(r["others_max"] for r in res["rows"])
-    print(f"  first tokens agree with C: {res['agree']}; others: up to {worst:.2f} cores during a request "
+    print(f"  answers agree with C: {res['agree']}; others: up to {worst:.2f} cores during a request "
           f"(requests above {H.QUIET_CORES} left out where 3 quiet ones remain)")
 
 
