@@ -31,6 +31,7 @@ from typing import Any
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness as H  # noqa: E402
+from pdserve.kv_transfer.data_plane.tcp import recv_exact  # noqa: E402
 
 TARGET_SHM = 0.8  # shm >= 0.8 x memcpy
 TARGET_TCP = 0.5  # tcp >= 0.5 x raw socket
@@ -40,14 +41,6 @@ METHODS = ("memcpy", "shm", "raw", "tcp")
 _REQ = struct.Struct("!QQ")  # raw socket request: offset, nbytes (0 closes)
 
 
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
-    while view:
-        n = sock.recv_into(view)
-        if n == 0:
-            raise ConnectionError("peer closed")
-        view = view[n:]
-
-
 def _raw_serve(listener: socket.socket, pool: memoryview) -> None:
     conn, _ = listener.accept()
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -55,7 +48,7 @@ def _raw_serve(listener: socket.socket, pool: memoryview) -> None:
     with conn:
         try:
             while True:
-                _recv_exact(conn, memoryview(head))
+                recv_exact(conn, memoryview(head))
                 offset, nbytes = _REQ.unpack(head)
                 if nbytes == 0:
                     return
@@ -132,7 +125,7 @@ class Paths:
             self.dst[b:b + n].copy_(self.src[a:a + n])
         elif method == "raw":
             self.sock.sendall(_REQ.pack(a * BLOCK_BYTES, n * BLOCK_BYTES))
-            _recv_exact(self.sock, self.raw_pool[b * BLOCK_BYTES:(b + n) * BLOCK_BYTES])
+            recv_exact(self.sock, self.raw_pool[b * BLOCK_BYTES:(b + n) * BLOCK_BYTES])
         else:
             self.peers[method].read_blocks("bench", "token", remote, local)
 
@@ -225,7 +218,8 @@ def print_cases(res: dict[str, Any]) -> None:
     print(f"  targets: shm >= {TARGET_SHM} x memcpy, tcp >= {TARGET_TCP} x raw socket (ratio of medians; paired = "
           f"median of per-round ratios). rounds kept/run: q = only rounds where others used < {H.QUIET_CORES} "
           "cores, ! = too few quiet rounds, all kept (noisy)")
-    print("  one 64 KiB block, latency (us, median): " + ", ".join(f"{m} {v:.0f}" for m, v in res["one_block_us"].items()))
+    print("  one 64 KiB block, latency (us, median): "
+          + ", ".join(f"{m} {v:.0f}" for m, v in res["one_block_us"].items()))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -63,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="both", choices=("float32", "bfloat16", "both"))
     ap.add_argument("--threads", type=int, default=2, help="torch threads for both engines (default 2)")
     ap.add_argument("--quick", action="store_true", help="16 prompts x 16 new tokens, 1 rep; a smoke run")
-    ap.add_argument("--mnbt", default="8192,2048", help="pdserve max_num_batched_tokens values; the summary uses the best")
+    ap.add_argument("--mnbt", default="8192,2048", help="pdserve max_num_batched_tokens values (the best counts)")
     ap.add_argument("--reps", type=int, help="offline repetitions per engine (default 3, quick 1)")
     ap.add_argument("--lat-reps", type=int, help="latency repetitions per engine after a warm-up (default 5)")
     ap.add_argument("--models-dir", help="build models here (kept, reused next time) instead of a temp dir (removed)")
@@ -312,7 +312,7 @@ def bench_one(preset: str, model_dir: Path, dtype: str, wl: Workload, args: argp
             log(f"  latency rep {rep} {name:<20} TTFT {r['ttft_ms']:7.1f} ms  TPOT {r['tpot_ms']:6.2f} ms  "
                 f"(others {r['others']:.2f} cores)")
     config = json.loads((model_dir / "config.json").read_text())
-    res: dict[str, Any] = dict(preset=preset, dtype=dtype, threads=args.threads, config=config.get("text_config", config),
+    res: dict[str, Any] = dict(preset=preset, dtype=dtype, config=config.get("text_config", config),
                                n_prompts=len(offline_prompts), offline={}, latency={})
     n_tok = len(offline_prompts) * wl.new_tokens
     strip = lambda r: {k: v for k, v in r.items() if k not in ("tokens", "segments", "gaps")}  # noqa: E731
@@ -442,7 +442,7 @@ def print_summary(results: list[dict[str, Any]]) -> None:
             f"{hf_lat['tpot_ms'].median:>8.1f} {ra['tpot']:>5.2f}x [{ra['steady_tpot']:.2f}x] "
             f"{_target(ra['steady_tpot'], TARGET_TPOT.get(r['dtype']), False, r['preset']):>13} | "
             f"{ra['ttft']:>5.2f}x [{ra['steady_ttft']:.2f}x] | {r['others_max']:.2f}")
-    log("(tput x: best pdserve max_num_batched_tokens; TPOT/TTFT x < 1 means pdserve is faster; PASS/MISS is judged on\n"
+    log("(tput x: best pdserve max_num_batched_tokens; TPOT/TTFT x < 1: pdserve is faster; PASS/MISS is judged on\n"
         " the steady estimate; others = most cores other processes used during any measured rep; above ~0.3 the\n"
         " medians are suspect and the steady estimates are the better guide)")
 
@@ -525,8 +525,8 @@ def main(args: argparse.Namespace) -> int:
             print_result(res)
         print_summary(results)
     log(f"\ntotal {time.perf_counter() - t_start:.0f} s, load {H.loadavg()}")
-    H.write_json(args.out, dict(created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), argv=sys.argv[1:], torch=torch.__version__,
-                                hardware=hw, workload=wl, results=results,
+    H.write_json(args.out, dict(created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), argv=sys.argv[1:], threads=args.threads,
+                                torch=torch.__version__, hardware=hw, workload=wl, results=results,
                                 targets=dict(preset=TARGET_PRESET, throughput=TARGET_THROUGHPUT, tpot=TARGET_TPOT)))
     return 0
 

@@ -30,7 +30,6 @@ import io
 import json
 import os
 import random
-import socket
 import sys
 import time
 import uuid
@@ -97,7 +96,8 @@ class Bench:
                     "--ec-transfer-config", ec("ec_consumer"))
         sv.instance("D", model, *self.common(), "--kv-transfer-config", H.kv_config("kv_consumer"),
                     "--ec-transfer-config", ec("ec_consumer"))
-        sv.gateway("G", "--encode", sv.url("E"), "--prefill", sv.url("P"), "--decode", sv.url("D"), "--protocol", "pull")
+        sv.gateway("G", "--encode", sv.url("E"), "--prefill", sv.url("P"), "--decode", sv.url("D"),
+                   "--protocol", "pull")
         print(f"  [{connector}] {self.servers.describe()}, {sv.describe()}", flush=True)
 
     # -- requests ---------------------------------------------------------------------------------------------
@@ -178,7 +178,8 @@ class Bench:
             imgs = self.new_images(k)
             for _ in range(2):
                 body = self.body(imgs, "look:", self.words())
-                agree.append((k, self.send(client, "epd_new", body)["text"] == self.send(client, "C_new", body)["text"]))
+                texts = [self.send(client, mode, body)["text"] for mode in ("epd_new", "C_new")]
+                agree.append((k, texts[0] == texts[1]))
         for _ in range(a.warmup):
             for k in a.images:
                 self.one_rep(client, k, record=None)
@@ -293,15 +294,17 @@ def print_set(res: dict[str, Any], args) -> None:
           "tokens; srv = own TTFT; gw<P = gateway time before the P leg (encode fan-out); E enc = E's timeline "
           "encode_start -> encode_end")
     print(f"  {'imgs':>4} {'mode':<12} {'TTFT':>6} {'gw enc/hit':>10} {'E runs':>6} {'enc h/m':>8} {'ec':>4} "
-          f"{'pfx':>5} {'computed':>8} {'srv':>6} {'D srv':>6} {'gw<P':>6} {'gw prefill':>10} {'gw D 1st':>8} {'E enc':>6}")
+          f"{'pfx':>5} {'computed':>8} {'srv':>6} {'D srv':>6} {'gw<P':>6} {'gw prefill':>10} {'gw D 1st':>8} "
+          f"{'E enc':>6}")
     for r in res["rows"]:
         k = r["images"]
         for m in list(NEW_MODES) + list(HIT_MODES):
             def g(key: str, r=r, m=m) -> float:
                 return r.get(f"{m}:{key}", float("nan"))
             tag = "p" if m.startswith("epd") else "c"
-            print(f"  {k:>4} {m:<12} {r[f'{m}_ms']:>6.1f} {fmt(g('gw_encoded'), '.0f'):>4}/{fmt(g('gw_cache_hit'), '.0f'):<5} "
-                  f"{fmt(g('e_runs'), '.0f'):>6} {fmt(g(f'{tag}_enc_hits'), '.0f'):>3}/{fmt(g(f'{tag}_enc_misses'), '.0f'):<4} "
+            print(f"  {k:>4} {m:<12} {r[f'{m}_ms']:>6.1f} {fmt(g('gw_encoded'), '.0f'):>4}/"
+                  f"{fmt(g('gw_cache_hit'), '.0f'):<5} {fmt(g('e_runs'), '.0f'):>6} "
+                  f"{fmt(g(f'{tag}_enc_hits'), '.0f'):>3}/{fmt(g(f'{tag}_enc_misses'), '.0f'):<4} "
                   f"{fmt(g(f'{tag}_ec_loads'), '.0f'):>4} {fmt(g(f'{tag}_prefix_hit_tokens'), '.0f'):>5} "
                   f"{fmt(g(f'{tag}_prompt_tokens_computed'), '.0f'):>8} {fmt(g(f'{tag}_srv'), '.1f'):>6} "
                   f"{fmt(g('d_srv'), '.1f'):>6} {fmt(g('gw_before_P'), '.1f'):>6} {fmt(g('gw_prefill'), '.1f'):>10} "
@@ -342,15 +345,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import httpx
-
     from pdserve.modelgen.llava import make_llava_model
 
     args = parse_args(argv)
     cleanup, meter = H.Cleanup(), H.CpuMeter()
     work = cleanup.work_dir("epd")
     results: dict[str, Any] = {"args": vars(args), "load_before": H.loadavg(), "sets": []}
-    print(f"bench/epd.py | connectors {args.connectors} | images {args.images} of {args.image_size}x{args.image_size} | "
+    print(f"bench/epd.py | connectors {args.connectors} | images {args.images} of {args.image_size} px | "
           f"{args.reps} reps | load {results['load_before']}", flush=True)
     t_start = time.monotonic()
     try:
@@ -358,8 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         b = Bench(args, work, cleanup, meter)
         results["data_url_KiB"] = len(png_data_url(1, args.image_size)) / 1024
         print(f"  tiny LLaVA at {model}; one image data URL is {results['data_url_KiB']:.0f} KiB", flush=True)
-        transport = httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
-        with httpx.Client(timeout=120, transport=transport) as client:
+        with H.http_client(120) as client:
             b.start_shared(model)
             for connector in args.connectors:
                 b.start_set(model, connector)

@@ -327,6 +327,14 @@ def kv_config(role: str, plane: str = "auto") -> str:
 # ----------------------------------------------------------------------------- HTTP seams: streams, metrics, timeline
 
 
+def http_client(timeout: float) -> Any:
+    """An httpx client with TCP_NODELAY, as a latency-sensitive client (and pdserve's own legs) would use."""
+    import httpx
+
+    return httpx.Client(timeout=timeout, transport=httpx.HTTPTransport(
+        socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]))
+
+
 def sse_data(client: Any, url: str, body: dict, headers: dict[str, str] | None = None) -> Iterator[tuple[float, str]]:
     """POST a streamed request to url; yield (arrival time, payload) of every SSE data line up to [DONE]."""
     with client.stream("POST", url, json=body, headers=headers) as r:

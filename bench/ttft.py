@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import sys
 import time
 import uuid
@@ -286,8 +285,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import httpx
-
     args = parse_args(argv)
     cleanup, meter = H.Cleanup(), H.CpuMeter()
     work = cleanup.work_dir("ttft")
@@ -297,8 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     try:
         model = make_model(work, max(args.max_model_len, 2048))
-        transport = httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
-        with httpx.Client(timeout=300, transport=transport) as client:
+        with H.http_client(300) as client:
             for mnbt in args.mnbt:
                 for plane in args.planes:
                     servers = H.Servers(cleanup, meter)
@@ -315,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         for r in res["rows"]:
             print(f"  mnbt {res['mnbt']:>4} {res['plane']:<4} {r['len']:>5}: "
                   + ", ".join(f"{m} {r[f'{m}_ttft_ms']:.1f}" for m in res["modes"]) + " ms | "
-                  + ", ".join(f"{k} {v:.3f}" for k, v in r.items() if "/" in k.split(" ")[0] and k.count(" ") == k.count(" paired"))
+                  + ", ".join(f"{k} {v:.3f}" for k, v in r.items()
+                              if "/" in k.split(" ")[0] and k.count(" ") == k.count(" paired"))
                   + "".join(f" {m}: {verdict(r, m)}" for m in res["modes"] if verdict(r, m)))
     print(f"  load {results['load_before']} -> {H.loadavg()}; wall {time.monotonic() - t_start:.0f} s")
     H.write_json(args.json, results)
