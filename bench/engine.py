@@ -314,7 +314,12 @@ def bench_one(preset: str, model_dir: Path, dtype: str, wl: Workload, args: argp
     config = json.loads((model_dir / "config.json").read_text())
     res: dict[str, Any] = dict(preset=preset, dtype=dtype, config=config.get("text_config", config),
                                n_prompts=len(offline_prompts), offline={}, latency={})
-    n_tok = len(offline_prompts) * wl.new_tokens
+    return summarize(res, off, lat, len(offline_prompts) * wl.new_tokens)
+
+
+def summarize(res: dict[str, Any], off: dict[str, list[dict[str, Any]]], lat: dict[str, list[dict[str, Any]]],
+              n_tok: int) -> dict[str, Any]:
+    """Medians (min-max), steady estimates and the pdserve / HF ratios of one model x dtype's repetitions."""
     strip = lambda r: {k: v for k, v in r.items() if k not in ("tokens", "segments", "gaps")}  # noqa: E731
     for name, runs in off.items():
         res["offline"][name] = dict(out_tok_s=H.Summary.of([r["out_tok_s"] for r in runs]),
@@ -324,9 +329,9 @@ def bench_one(preset: str, model_dir: Path, dtype: str, wl: Workload, args: argp
         res["latency"][name] = dict(ttft_ms=H.Summary.of([r["ttft_ms"] for r in runs]),
                                     tpot_ms=H.Summary.of([r["tpot_ms"] for r in runs]),
                                     steady=steady(runs), reps=[strip(r) for r in runs])
-    pd = [n for n in names if n.startswith("pdserve")]
+    pd = [n for n in off if n.startswith("pdserve")]
     res["best_pdserve"] = best = max(pd, key=lambda n: res["offline"][n]["out_tok_s"].median)
-    if not args.no_hf:
+    if "HF generate" in off:
         o, la, hf = res["offline"], res["latency"], "HF generate"
         res["ratios"] = dict(
             throughput=o[best]["out_tok_s"].median / o[hf]["out_tok_s"].median,
@@ -492,7 +497,9 @@ def profile_one(preset: str, model_dir: Path, dtype: str, wl: Workload, args: ar
         for t in top:
             log(f"    {t['op'][:52]:<52} {t['self_ms']:9.2f} ms {100 * t['self_ms'] * units * 1e3 / total:5.1f}%  "
                 f"{t['calls']:6.0f} calls")
-        out[title] = dict(ms=H.median(times) * 1e3, top_ops=top)
+        lin = sum(e.self_cpu_time_total for e in events if "linear" in e.key or e.key in ("aten::mm", "aten::addmm"))
+        log(f"    linear layers and lm_head (GEMM ops): {lin / 1e3 / units:.2f} ms, {100 * lin / total:.0f}% of the ops")
+        out[title] = dict(ms=H.median(times) * 1e3, gemm_ms=lin / 1e3 / units, top_ops=top)
     return dict(preset=preset, dtype=dtype, scenarios=out)
 
 
