@@ -29,8 +29,8 @@ or waiting, no leases, transfer-map entries or push registrations left; gateways
 RSS (VmRSS, /proc/<pid>/status) of every process is compared with its value after warm-up. Exit status 1 if any
 answer was wrong, anything is left held, a process died, or a request ended uncleanly / hung.
 
-    .venv/bin/python bench/soak.py --duration 20                  # smoke run
-    .venv/bin/python bench/soak.py --duration 600 --json bench/out/soak.json
+    .venv/bin/python tests/soak/run.py --duration 20              # smoke run (or: PDSERVE_SOAK_S=20 pytest tests/test_soak.py)
+    .venv/bin/python tests/soak/run.py --duration 600 --json bench/out/soak.json   # or PDSERVE_SOAK_S=600
 
 Only 127.0.0.1; every process started here is stopped by PID at the end (SIGTERM, then SIGKILL).
 """
