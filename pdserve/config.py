@@ -37,7 +37,6 @@ class EngineConfig:
     role: str = "both"
     kv_transfer_config: dict[str, Any] = field(default_factory=dict)
     ec_transfer_config: dict[str, Any] = field(default_factory=dict)
-    fault_injection: dict[str, Any] = field(default_factory=dict)
     encoder_cache_size: int | None = None  # embeddings; default max(max_num_batched_tokens, 8192)
     allowed_local_media_path: Path | None = None
     allow_remote_media: bool = False

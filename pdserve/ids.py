@@ -1,4 +1,4 @@
-"""Identifiers that cross boundaries (DESIGN.md §2).
+"""Identifiers that cross boundaries (the two id domains of docs/design.md, section 2).
 
 Three kinds of ids live in pdserve and must never be mixed up, so each has its own type:
 

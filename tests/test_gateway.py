@@ -232,7 +232,8 @@ def recorded(tmp_path):
 
 
 def test_pull_speaks_vllm_wire_format(recorded):
-    """Against fake vLLM instances: the legs carry what vLLM's own toy proxy sends (reference/peer-routers.md)."""
+    """Against fake vLLM instances: the legs carry what vLLM's own toy proxy sends (a prefill leg with
+    max_tokens 1 and do_remote_decode, then the decode leg with P's kv_transfer_params)."""
     start_fake, received = recorded
     p, d = start_fake("P"), start_fake("D")
     g = gateway("--prefill", p.url, "--decode", d.url)

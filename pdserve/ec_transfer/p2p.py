@@ -88,10 +88,6 @@ class ECP2PConnector(ECConnector):
             self._store.move_to_end(mm_hash)
             return self._params(mm_hash, stored)
 
-    def num_stored(self) -> int:
-        with self._lock:
-            return len(self._store)
-
     def _params(self, mm_hash: str, stored: _Stored) -> ECSource:
         return ECSource(connector=self.name, num_embeds=stored.tensor.shape[0], checksum=stored.checksum,
                         host=self.host, port=self.port, engine_id=self.engine_id, token=stored.token)

@@ -12,7 +12,6 @@ import asyncio
 import logging
 import queue
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,7 +75,6 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self.dead: BaseException | None = None
-        self.last_step_time = time.monotonic()
         self.output_listeners: list[Callable[[RequestOutput], None]] = []
 
     # -- lifecycle --------------------------------------------------------------------------------------
@@ -175,7 +173,6 @@ class AsyncEngine:
             self._fail_all(exc)
             self._stopping.set()
             return
-        self.last_step_time = time.monotonic()
         if outputs:
             self._deliver_threadsafe(outputs)
 

@@ -54,9 +54,6 @@ class BlockPool:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self.free)
 
-    def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= len(self.free)
-
     def lookup(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> KVBlock | None:
         block = self.cached.get(block_hash)
         if block is None or block.token_ids != token_ids:

@@ -26,10 +26,6 @@ class EncoderCacheManager:
     def holds(self, mm_hash: str) -> bool:
         return mm_hash in self.sizes
 
-    def can_allocate(self, size: int) -> bool:
-        evictable = sum(n for h, n in self.sizes.items() if not self.refs.get(h))
-        return self.used - evictable + size <= self.budget
-
     @property
     def num_held(self) -> int:
         """Entries some live request still needs."""

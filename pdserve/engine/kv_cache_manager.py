@@ -110,15 +110,6 @@ class KVCacheManager:
         self.req_hashes.pop(request_id, None)
         self.num_cached_blocks.pop(request_id, None)
 
-    def free_blocks_from(self, request_id: ReqId, first_block: int) -> None:
-        """Give back a request's blocks from `first_block` on (a rollback that keeps a valid prefix)."""
-        blocks = self.req_blocks.get(request_id, [])
-        tail = blocks[first_block:]
-        del blocks[first_block:]
-        self.pool.release(list(reversed(tail)))
-        if self.num_cached_blocks.get(request_id, 0) > first_block:
-            self.num_cached_blocks[request_id] = first_block
-
     def evict(self, block_ids: list[int]) -> None:
         self.pool.evict(block_ids)
 

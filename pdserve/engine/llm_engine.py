@@ -19,7 +19,7 @@ from pdserve.engine.request import MultiModalItem, Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.ids import ReqId, make_internal_request_id
 from pdserve.kv_transfer.params import RemoteDecode, RemotePrefill
-from pdserve.models.config import ModelConfigError, ModelSpec, read_config_json
+from pdserve.models.config import ModelSpec
 from pdserve.sampling_params import SamplingParams
 from pdserve.telemetry.timeline import Timeline
 from pdserve.tokenizer import Tokenizer
@@ -181,12 +181,3 @@ def max_sequence_length(config: EngineConfig, max_model_len: int, num_blocks: in
         limit = min(limit, config.max_num_batched_tokens)
     return limit
 
-
-def check_model_dir(config: EngineConfig) -> None:
-    """Fail early and clearly when the folder is not a model pdserve can serve."""
-    from pdserve.models.config import architecture_of
-    from pdserve.models.registry import MODEL_REGISTRY
-
-    arch = architecture_of(read_config_json(config.model))
-    if arch not in MODEL_REGISTRY:
-        raise ModelConfigError(f"unsupported architecture {arch!r}; supported: {', '.join(sorted(MODEL_REGISTRY))}")

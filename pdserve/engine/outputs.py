@@ -33,7 +33,6 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     finished_req_ids: set[ReqId] = field(default_factory=set)  # runner drops their per-request state
-    preempted_req_ids: set[ReqId] = field(default_factory=set)
     kv_connector_metadata: object | None = None
     free_mm_hashes: list[str] = field(default_factory=list)  # encoder outputs the runner may drop
 

@@ -97,7 +97,7 @@ class Scheduler:
             budget = self._admit_waiting(budget, scheduled)
 
         now = time.monotonic()
-        out = SchedulerOutput(finished_req_ids=self._finished_since_last_step, preempted_req_ids=preempted)
+        out = SchedulerOutput(finished_req_ids=self._finished_since_last_step)
         self._finished_since_last_step = set()
         for request, num_new in scheduled:
             if request.first_scheduled_time is None:
@@ -329,7 +329,7 @@ class Scheduler:
         return affected
 
     def _handle_invalid_mm_items(self, plan: SchedulerOutput, invalid: dict[str, str]) -> set[ReqId]:
-        """Encoder outputs that failed to load (seed 002): roll each affected request back to the smallest
+        """Encoder outputs that failed to load (optimistic EC scheduling): roll each affected request back to the smallest
         placeholder offset among its failed items and clear their remote flag, so the retry encodes locally;
         or end it with an error under the `fail` policy."""
         if not invalid:

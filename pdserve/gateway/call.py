@@ -1,7 +1,8 @@
 """One client request across its legs: the leg-aware state machine.
 
     CREATED -> PREFILL_SENT -> KV_HELD -> DECODE_SENT -> STREAMING -> DONE
-                    any stage -> FAILED | CANCELLED
+
+(failure and cancellation can end any stage; the metrics label them with the stage they ended.)
 
 A leg that fails before the client saw a byte may be retried (fresh pair, fresh transfer_id). Whatever ends a
 request — failure, client disconnect, deadline — cancels the live leg (closing its connection aborts it on the
@@ -38,8 +39,6 @@ class Stage(enum.Enum):
     DECODE_SENT = "decode_sent"
     STREAMING = "streaming"
     DONE = "done"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -35,7 +34,6 @@ class Instance:
     running: float = 0.0
     waiting: float = 0.0
     kv_usage: float = 0.0
-    last_scrape: float = 0.0
     meta: dict = field(default_factory=dict)
 
     @property
@@ -162,7 +160,6 @@ class Registry:
         instance.running = values.get("running", instance.running)
         instance.waiting = values.get("waiting", instance.waiting)
         instance.kv_usage = values.get("kv_usage", instance.kv_usage)
-        instance.last_scrape = time.monotonic()
 
 
 def parse_load_metrics(text: bytes) -> dict[str, float]:

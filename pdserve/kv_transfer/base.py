@@ -1,7 +1,7 @@
 """The KV connector API: a scheduler half and a worker half joined only by a per-step metadata object.
 
-Method names and meanings follow vLLM v1 (reference/vllm-pd-protocol.md §4). The scheduler half plans (which
-tokens are remote, what to hold, what to return to the client); the worker half moves bytes. Neither calls the
+Method names and meanings follow vLLM v1's KV connector interface (`KVConnectorBase_V1`). The scheduler half
+plans (which tokens are remote, what to hold, what to return to the client); the worker half moves bytes. Neither calls the
 other: the scheduler half's ``build_connector_meta`` is handed to the worker half each step, and the worker's
 results come back through ``KVConnectorOutput``.
 """

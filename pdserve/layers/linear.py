@@ -19,7 +19,6 @@ class Linear:
     """y = x @ W^T + b with W prepared for the device's best kernel. Not an nn.Module: weights never train."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, use_onednn: bool | None = None) -> None:
-        self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.use_onednn = onednn_available(weight.device) if use_onednn is None else use_onednn
         if self.use_onednn:

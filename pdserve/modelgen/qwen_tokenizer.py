@@ -51,7 +51,6 @@ QWEN_TOKENIZER_SIZE = QWEN_NUM_RANKS + len(QWEN_ADDED_TOKENS)  # 151,669
 QWEN_MODEL_VOCAB_SIZE = 151_936
 QWEN_PAD_TOKEN = "<|endoftext|>"
 QWEN_EOS_TOKEN = "<|im_end|>"
-QWEN_DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 
 # Qwen2.5-style ChatML: a system turn always comes first (the default one when the conversation has none),
 # tools are described in the system turn, assistant tool calls are <tool_call> JSON blocks and consecutive

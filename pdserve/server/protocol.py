@@ -6,7 +6,7 @@ feature pdserve does not implement are refused with a 400 rather than silently i
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -164,5 +164,3 @@ class ChatCompletionRequest(_SamplingFields):
     def message_dicts(self) -> list[dict[str, Any]]:
         return [m.model_dump(exclude_none=True) for m in self.messages]
 
-
-StreamKind = Literal["completion", "chat"]

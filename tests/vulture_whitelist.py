@@ -1,0 +1,30 @@
+"""Names that vulture (confidence 60) reports as unused but that are used by something it cannot see.
+
+Read by `tests/test_code_health.py` (`vulture pdserve tests/vulture_whitelist.py --min-confidence 60`); never
+imported. Each entry says who uses the name. Anything else vulture reports is dead code: delete it.
+"""
+
+# ruff: noqa
+# Module-level __getattr__ (PEP 562): Python calls it to import the model generators lazily.
+__getattr__
+# Properties of `tokenizers` objects, set to build tokenizer.json files; the library reads them.
+_.normalizer
+_.pre_tokenizer
+_.decoder
+_.post_processor
+# A field of the CLIP vision config as Hugging Face writes it: parsed with the rest, the tower is RGB-only.
+num_channels
+# asyncio.Protocol callbacks (the event loop calls them) and httptools parser callbacks (the parser calls them).
+_.connection_made
+_.data_received
+_.connection_lost
+_.on_header
+_.on_headers_complete
+_.on_body
+_.on_message_complete
+# FastAPI route handlers and exception handlers, registered by their decorators.
+chat_completions
+prometheus
+not_found
+not_allowed
+internal
