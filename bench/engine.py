@@ -98,9 +98,6 @@ import harness as H  # noqa: E402
 log = functools.partial(print, flush=True)
 
 
-# ----------------------------------------------------------------------------- models, prompts, engines
-
-
 def make_prompts(wl: Workload) -> tuple[list[list[int]], list[list[int]]]:
     """64 x 128 offline ids, then 8 x 512 latency ids, from one default_rng(0) stream."""
     rng = np.random.default_rng(0)
@@ -233,9 +230,6 @@ def hf_latency(model: Any, prompt: list[int], new: int) -> dict[str, Any]:
                 gaps=[b - a for a, b in zip(ts[1:], ts[2:])], tokens=out[0].tolist())
 
 
-# ----------------------------------------------------------------------------- one model x dtype
-
-
 def steady(runs: list[dict[str, Any]], offline_tokens: int = 0) -> dict[str, float]:
     """Contention-robust estimate: every step (or inter-token gap) at its fastest over the reps.
 
@@ -346,9 +340,6 @@ def summarize(res: dict[str, Any], off: dict[str, list[dict[str, Any]]], lat: di
     return res
 
 
-# ----------------------------------------------------------------------------- roofline and report
-
-
 @dataclass(frozen=True, slots=True)
 class Roofline:
     """Lower bounds on step times: each forward step takes at least max(FLOPs / GEMM peak, bytes / DRAM bandwidth),
@@ -450,9 +441,6 @@ def print_summary(results: list[dict[str, Any]]) -> None:
     log("(tput x: best pdserve max_num_batched_tokens; TPOT/TTFT x < 1: pdserve is faster; PASS/MISS is judged on\n"
         " the steady estimate; others = most cores other processes used during any measured rep; above ~0.3 the\n"
         " medians are suspect and the steady estimates are the better guide)")
-
-
-# ----------------------------------------------------------------------------- profile mode
 
 
 def profile_one(preset: str, model_dir: Path, dtype: str, wl: Workload, args: argparse.Namespace) -> dict[str, Any]:

@@ -17,6 +17,7 @@ Each run records the cores other processes used (box busy time minus everything 
     .venv/bin/python bench/gateway.py --quick                                  # smoke run (~1 min)
     .venv/bin/python bench/gateway.py --rounds 3 --json bench/out/gateway.json  # the table in docs/benchmarks.md
     .venv/bin/python bench/gateway.py --targets direct,pdserve --kinds c32      # pdserve alone
+    .venv/bin/python bench/gateway.py --targets direct,pdserve --base DIR  # + DIR's pdserve (an older checkout)
 
 vllm-router and sglang-router are pip-installed into .cache/peers/{vllm-router,sglang-router} (reused when there).
 Targets: pdserve CPU per request <= 2x vllm-router's and <= 290 us; pdserve added p50 at c=1 <= 0.6 ms.
@@ -46,7 +47,7 @@ BODY = (b'{"model":"stub","prompt":"The quick brown fox jumps over the lazy dog.
         b'"temperature":0,"seed":1}')
 STREAM_BODY = BODY[:-1] + b',"stream":true}'
 ALL_TARGETS = ("direct", "pdserve", "vllm-router", "sglang-router")
-STREAM_TARGETS = ("direct", "pdserve", "vllm-router")
+STREAM_TARGETS = ("direct", "pdserve", "pdserve-base", "vllm-router")
 DECODE_TEXT = " a b c d"  # what the stub's decode answer says
 PEERS_DIR = BENCH.parent / ".cache" / "peers"
 TARGET_CPU_RATIO = 2.0  # pdserve CPU/req <= 2x vllm-router's
@@ -63,9 +64,6 @@ done = function(summary, latency, requests)
     e.connect + e.read + e.write + e.timeout, e.status, latency:percentile(50), latency:percentile(99)))
 end
 """
-
-
-# ----------------------------------------------------------------------------- processes
 
 
 def sched_seconds(pid: int) -> float:
@@ -176,12 +174,14 @@ def peer_exe(name: str) -> str:
     return str(exe)
 
 
-def start_target(name: str, p_url: str, d_url: str, work: Path, cleanup: H.Cleanup) -> Proc:
-    if name == "pdserve":
+def start_target(name: str, p_url: str, d_url: str, work: Path, cleanup: H.Cleanup, base: str | None = None
+                 ) -> Proc:
+    if name in ("pdserve", "pdserve-base"):
+        env = {"PYTHONUNBUFFERED": "1", "PYTHONPATH": base if name == "pdserve-base" else str(BENCH.parent)}
         return spawn(name, [sys.executable, "-m", "pdserve", "gateway", "--prefill", p_url, "--decode", d_url,
                             "--protocol", "pull", "--scheduling", "batch", "--policy", "round_robin", "--host",
                             "127.0.0.1", "--port", "0", "--log-level", "warning"], work, cleanup, ready_line=True,
-                     env={"PYTHONUNBUFFERED": "1"})
+                     env=env)
     port, prom = H.free_port(), H.free_port()
     if name == "vllm-router":
         cmd = [peer_exe(name), "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation", "--prefill",
@@ -209,9 +209,6 @@ def sanity(name: str, url: str, streaming: bool) -> list[str]:
         if status != 200 or b"data: [DONE]" not in data or "event-stream" not in headers.get("content-type", ""):
             problems.append(f"{name}: stream answered {status} {headers.get('content-type')}: {data[:300]!r}")
     return problems
-
-
-# ----------------------------------------------------------------------------- measuring
 
 
 def run_wrk(url: str, script: Path, conns: int, seconds: float) -> tuple[dict[str, Any], float]:
@@ -322,6 +319,10 @@ def check_targets(rows: dict[str, Any]) -> list[dict[str, Any]]:
         ("pdserve", "c32"), ("vllm-router", "c32"), ("sglang-router", "c32"), ("pdserve", "c1"), ("vllm-router", "c1"),
         ("pdserve", "stream"), ("vllm-router", "stream")))
     checks: list[tuple[str, float, str, bool | None]] = []
+    base = rows.get("pdserve-base/c32")
+    if pd and base:  # a change's own cost: this checkout against the base one, same run
+        ratio = pd["router_us_per_req"] / base["router_us_per_req"]
+        checks.append(("pdserve / pdserve-base CPU us/req at c=32", ratio, "report", None))
     if pd and vr:
         for label, key in (("raw", "router_us_per_req"), ("net of idle", "router_us_net")):
             ratio = pd[key] / vr[key]
@@ -360,12 +361,15 @@ def main() -> int:
     ap.add_argument("--kinds", default="c32,c1,stream", help="which runs: c32, c1, stream")
     ap.add_argument("--no-idle", action="store_true", help="skip the idle-CPU window")
     ap.add_argument("--json", help="write every run and the summary here")
+    ap.add_argument("--base", help="another checkout whose pdserve gateway runs beside this one (pdserve-base)")
     args = ap.parse_args()
     rounds = args.rounds or (1 if args.quick else 3)
     duration, c1_duration = args.duration or (3 if args.quick else 8), args.c1_duration or (2 if args.quick else 5)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     targets, kinds = [t for t in args.targets.split(",") if t], [k for k in args.kinds.split(",") if k]
-    if set(targets) - set(ALL_TARGETS) or set(kinds) - {"c32", "c1", "stream"}:
+    if args.base and "pdserve-base" not in targets:
+        targets.append("pdserve-base")
+    if set(targets) - set(ALL_TARGETS) - {"pdserve-base"} or set(kinds) - {"c32", "c1", "stream"}:
         ap.error("unknown target or kind")
     cleanup = H.Cleanup()
     work = cleanup.work_dir("gateway")
@@ -375,7 +379,8 @@ def main() -> int:
         stubs = [spawn(f"stub-{r[0].upper()}", [sys.executable, str(BENCH / "stub_backend.py"), "--port", "0",
                                                 "--role", r], work, cleanup, ready_line=True)
                  for r in ("prefill", "decode")]
-        routers = {t: start_target(t, stubs[0].url, stubs[1].url, work, cleanup) for t in targets if t != "direct"}
+        routers = {t: start_target(t, stubs[0].url, stubs[1].url, work, cleanup, args.base)
+                   for t in targets if t != "direct"}
         urls = {"direct": stubs[1].url, **{t: p.url for t, p in routers.items()}}
         problems = [p for t in targets for p in sanity(t, urls[t], t in STREAM_TARGETS and "stream" in kinds)]
         if problems:
