@@ -68,7 +68,8 @@ def assert_ordered(timeline: dict, expected: list[str]) -> None:
 def test_every_process_records_the_request(cluster, protocol):
     request_id = f"tl-{protocol}-{uuid.uuid4().hex[:8]}"
     prompt = PROMPTS[protocol]  # its own prompt, so no prefix-cache hit shortens P's prefill
-    before = metric_values(cluster["D"].url)["pdserve:kv_transfer_bytes_received_total"]
+    before = {"pull": metric_values(cluster["D"].url)["pdserve:kv_transfer_bytes_received_total"],
+              "push": metric_values(cluster["P"].url)["pdserve:kv_push_bytes_sent_total"]}
     answer = httpx.post(cluster[protocol].url + "/v1/completions", headers={"X-Request-Id": request_id}, timeout=60,
                         json={"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0})
     assert answer.status_code == 200, answer.text
@@ -105,9 +106,11 @@ def test_every_process_records_the_request(cluster, protocol):
                             "finish"])
     end = event(decode, "kv_transfer_end")["attrs"]
     assert end["ok"] and end["mode"] == protocol
-    if protocol == "pull":
-        received = metric_values(cluster["D"].url)["pdserve:kv_transfer_bytes_received_total"] - before
-        assert end["bytes"] == received > 0 and end["data_plane"] == "shm"
+    # D's figure against the metric of the side that moved the bytes (D reads in pull, P writes in push)
+    moved_by, metric = {"pull": ("D", "pdserve:kv_transfer_bytes_received_total"),
+                        "push": ("P", "pdserve:kv_push_bytes_sent_total")}[protocol]
+    moved = metric_values(cluster[moved_by].url)[metric] - before[protocol]
+    assert end["bytes"] == moved > 0 and end["data_plane"] == "shm"
     assert event(decode, "finish")["attrs"]["completion_tokens"] == 4
 
     # One clock: the gateway sent the prefill leg before P saw it, and D's first token came before its end.

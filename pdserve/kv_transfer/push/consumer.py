@@ -146,10 +146,13 @@ class PushConsumer:
             if expectation is None:
                 return
             ok = ok and not expectation.cancelled
+            # P wrote every registered block when its write-done says ok
+            block_bytes = self.rt.pool[0].numel() * self.rt.pool.element_size()
             self._completed.append(LoadResult(
                 expectation.request_id, ok=ok, error=error, fatal=fatal and not ok,
                 invalid_blocks=list(invalid or ()) if ok else [], plane=expectation.plane,
-                started_at=expectation.started_at))
+                started_at=expectation.started_at, seconds=time.monotonic() - expectation.started_at,
+                nbytes=len(expectation.block_ids) * block_bytes if ok else 0))
         if ok:
             self.rt.stats.push_done_ok += 1
         else:
