@@ -10,7 +10,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pdserve.modelgen.cli import add_make_model_parser
     from pdserve.server.launch import add_serve_parser
 
-    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated LLM serving")
+    from pdserve.startup import OneLineParser
+
+    parser = OneLineParser(prog="pdserve", description="Disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(sub)
     add_make_model_parser(sub)

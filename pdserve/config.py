@@ -81,6 +81,19 @@ class EngineConfig:
                 f"{max_position_embeddings}")
         return self.max_model_len
 
+    def check_kv_capacity(self, max_model_len: int) -> None:
+        """A KV cache that cannot hold one sequence of max_model_len tokens is refused, as vLLM refuses it."""
+        if self.num_kv_blocks is None or self.role == "encode":
+            return
+        if self.num_kv_blocks < 1:
+            raise ValueError(f"--num-kv-blocks must be at least 1, got {self.num_kv_blocks}")
+        capacity = self.num_kv_blocks * self.block_size
+        if capacity < max_model_len:
+            raise ValueError(
+                f"the model's max seq len ({max_model_len}) is larger than the maximum number of tokens that can be "
+                f"stored in the KV cache ({capacity} = {self.num_kv_blocks} blocks of {self.block_size}); raise "
+                f"--num-kv-blocks to at least {cdiv(max_model_len, self.block_size)} or lower --max-model-len")
+
     def resolve_num_blocks(self, block_bytes: int, max_model_len: int) -> int:
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks

@@ -36,3 +36,15 @@ def new_transfer_id() -> TransferId:
 
 def new_engine_id() -> EngineId:
     return EngineId(str(uuid.uuid4()))
+
+
+MAX_REQUEST_ID_LENGTH = 256
+
+
+def clean_request_id(value: str | None) -> str | None:
+    """A client-supplied request id made safe to echo in headers, logs and JSON: printable ASCII without spaces,
+    at most MAX_REQUEST_ID_LENGTH characters; None when nothing usable is left (a fresh id is minted then)."""
+    if not value:
+        return None
+    cleaned = "".join(c for c in value[:4 * MAX_REQUEST_ID_LENGTH] if "!" <= c <= "~")[:MAX_REQUEST_ID_LENGTH]
+    return cleaned or None

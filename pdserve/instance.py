@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any
 
 import msgspec
@@ -22,20 +24,25 @@ from pdserve.server.serving import OpenAIServing
 from pdserve.telemetry.timeline import TimelineStore
 from pdserve.telemetry.tracing import make_exporter
 
+log = logging.getLogger(__name__)
 _ROLE_OF_KV_ROLE = {"kv_producer": "prefill", "kv_consumer": "decode"}
+# The exit status of an instance whose engine can no longer be trusted (EX_SOFTWARE): a supervisor restarts it.
+ENGINE_FAILED_EXIT = 70
 
 
 class Instance:
     def __init__(self, config: EngineConfig, request_timeout_s: float = 600.0,
-                 otlp_traces_endpoint: str | None = None) -> None:
+                 otlp_traces_endpoint: str | None = None, log_requests: bool = True) -> None:
         self.config = config
+        self.log_requests = log_requests
         self.tracing = make_exporter(otlp_traces_endpoint, f"pdserve-{self._kv_role()}")
         self.timelines = TimelineStore(self.tracing)
         model = config.resolve_model()
+        config.check_kv_capacity(model.max_model_len)
         self.connectors = build_connectors(config, model)
         self.ec = build_ec_connector(config.ec_transfer_config)
         self.engine = LLMEngine(config, self.connectors, model, self.ec)
-        self.async_engine = AsyncEngine(self.engine, request_timeout_s)
+        self.async_engine = AsyncEngine(self.engine, request_timeout_s, on_fatal=_exit_now)
 
     async def start(self, advertised_host: str = "127.0.0.1") -> FastAPI:
         self.async_engine.start()
@@ -46,7 +53,8 @@ class Instance:
             self.ec.start()
         serving = self._serving()
         metrics = ServerMetrics(self.config.model_name, self.engine.stats, self._extra_metrics(serving))
-        return build_app(self.async_engine, serving, metrics, self._transfer_routes if bundle else None)
+        return build_app(self.async_engine, serving, metrics, self._transfer_routes if bundle else None,
+                         self.log_requests)
 
     def _ec_produces(self) -> bool:
         return self.config.role == "encode" or self.config.ec_transfer_config.get("ec_role") in ("ec_producer",
@@ -139,3 +147,12 @@ class Instance:
         self.async_engine.stop()
         if self.tracing is not None:
             self.tracing.shutdown()  # exports the spans still queued
+
+
+def _exit_now(exc: BaseException) -> None:
+    """The engine failed where its state may be half-updated (blocks, queues): serving on would hand out wrong
+    or stuck answers, so the process ends at once and its supervisor starts a clean one."""
+    log.critical("engine state is inconsistent after an unexpected error (%s: %s); exiting with status %d so a "
+                 "supervisor restarts this instance", type(exc).__name__, exc, ENGINE_FAILED_EXIT)
+    logging.shutdown()
+    os._exit(ENGINE_FAILED_EXIT)

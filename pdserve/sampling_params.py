@@ -12,6 +12,10 @@ MAX_LOGPROBS = 20
 class SamplingParamsError(ValueError):
     """An invalid sampling value; the server turns it into a 400."""
 
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -54,32 +58,37 @@ class SamplingParams:
         return max((len(s) for s in self.stop), default=0)
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Raise SamplingParamsError with a message a client can act on."""
-        checks: list[tuple[bool, str]] = [
-            (self.n >= 1, f"n must be at least 1, got {self.n}"),
-            (self.n <= 128, f"n must be at most 128, got {self.n}"),
-            (self.temperature >= 0.0, f"temperature must be non-negative, got {self.temperature}"),
-            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k >= 0, f"top_k must be -1 (disable) or at least 1, got {self.top_k}"),
-            (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
-            (-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+        """Raise SamplingParamsError with a message a client can act on, naming the field."""
+        checks: list[tuple[bool, str, str]] = [
+            (1 <= self.n <= 128, f"n must be between 1 and 128, got {self.n}", "n"),
+            (self.temperature >= 0.0, f"temperature must be non-negative, got {self.temperature}", "temperature"),
+            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}", "top_p"),
+            (self.top_k >= 0, f"top_k must be -1 (disable) or at least 1, got {self.top_k}", "top_k"),
+            (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}", "min_p"),
+            (-2.0 <= self.presence_penalty <= 2.0,
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}", "presence_penalty"),
             (-2.0 <= self.frequency_penalty <= 2.0,
-             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            (self.repetition_penalty > 0.0, f"repetition_penalty must be positive, got {self.repetition_penalty}"),
-            (self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
-            (self.min_tokens >= 0, f"min_tokens must be non-negative, got {self.min_tokens}"),
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}", "frequency_penalty"),
+            (0.0 < self.repetition_penalty <= 2.0,
+             f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}", "repetition_penalty"),
+            (self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}",
+             "max_tokens"),
+            (self.min_tokens >= 0, f"min_tokens must be non-negative, got {self.min_tokens}", "min_tokens"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens,
-             f"min_tokens ({self.min_tokens}) must be less than or equal to max_tokens ({self.max_tokens})"),
+             f"min_tokens ({self.min_tokens}) must be less than or equal to max_tokens ({self.max_tokens})",
+             "min_tokens"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
-             f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}"),
+             f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}", "logprobs"),
         ]
-        for ok, message in checks:
+        for ok, message, param in checks:
             if not ok:
-                raise SamplingParamsError(message)
+                raise SamplingParamsError(message, param)
         if vocab_size is not None:
             for token_id in self.stop_token_ids:
                 if not 0 <= token_id < vocab_size:
-                    raise SamplingParamsError(f"stop_token_ids contains {token_id}, outside the vocabulary [0, {vocab_size})")
+                    raise SamplingParamsError(
+                        f"stop_token_ids contains {token_id}, outside the vocabulary [0, {vocab_size})",
+                        "stop_token_ids")
 
     def for_child(self, index: int) -> SamplingParams:
         """Parameters of the index-th of n parallel samples: one sequence each, distinct but reproducible seeds."""

@@ -26,7 +26,7 @@ def test_instance_reads_config_json_once(models, tmp_path: Path, monkeypatch: py
         return read_text(self, *args, **kwargs)
 
     monkeypatch.setattr(Path, "read_text", counting_read_text)
-    config = EngineConfig(model=models("llama"), role="prefill", num_kv_blocks=16,
+    config = EngineConfig(model=models("llama"), role="prefill", num_kv_blocks=128,
                           kv_transfer_config={"kv_connector": "PdConnector", "kv_role": "kv_producer"},
                           ec_transfer_config={"ec_connector": "ECStorageConnector", "ec_role": "ec_consumer",
                                               "ec_connector_extra_config": {"shared_storage_path": str(tmp_path)}})

@@ -65,8 +65,12 @@ class _Call:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, request_timeout_s: float = 600.0) -> None:
+    def __init__(self, engine: LLMEngine, request_timeout_s: float = 600.0,
+                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
+        """`on_fatal` runs on the engine thread when the engine failed outside a model step (its state may be
+        half-updated); a server exits there. Without it the engine only stops and reports itself dead."""
         self.engine = engine
+        self.on_fatal = on_fatal
         self.request_timeout_s = request_timeout_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -150,6 +154,17 @@ class AsyncEngine:
         self._wakeup.set()
 
     def _run(self) -> None:
+        try:
+            self._loop_steps()
+        except Exception as exc:  # noqa: BLE001 - failures inside a model step never get here (see ModelRunner)
+            log.exception("engine failed")
+            self.dead = exc
+            self._fail_all(exc)
+            self._stopping.set()
+            if self.on_fatal is not None:
+                self.on_fatal(exc)
+
+    def _loop_steps(self) -> None:
         while not self._stopping.is_set():
             self._drain_commands()
             if self.engine.has_work():
@@ -165,14 +180,7 @@ class AsyncEngine:
         self._wakeup.clear()
 
     def _step(self) -> None:
-        try:
-            outputs = self.engine.step()
-        except Exception as exc:  # noqa: BLE001 - a failing step must not silently kill the server
-            log.exception("engine step failed")
-            self.dead = exc
-            self._fail_all(exc)
-            self._stopping.set()
-            return
+        outputs = self.engine.step()
         if outputs:
             self._deliver_threadsafe(outputs)
 

@@ -12,6 +12,7 @@ from pdserve.config import EngineConfig
 from pdserve.ec_transfer.base import ECConnector
 from pdserve.ec_transfer.factory import ec_policy
 from pdserve.ec_transfer.params import ECSource
+from pdserve.engine.faults import EngineFaults
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_runner import ModelRunner, default_kv_allocator
 from pdserve.engine.output_processor import OutputProcessor, RequestOutput
@@ -64,6 +65,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer(config.tokenizer or config.model)
         worker_half = connectors.worker if connectors is not None else None
         self.runner = ModelRunner(model, config.block_size, config.seed, config.device, connector=worker_half)
+        self.faults = self.runner.faults = EngineFaults.from_env()
         self.vocab_size = self.runner.cfg.vocab_size
         self.eos_token_ids = self.tokenizer.eos_token_ids or self.runner.cfg.eos_token_ids
         num_blocks = config.resolve_num_blocks(self.runner.kv_block_bytes(), self.max_model_len)
@@ -128,7 +130,9 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         result = self.runner.execute_model(plan)
         self.last_step_tokens = plan.num_scheduled_tokens
-        return self._process(self.scheduler.update_from_output(plan, result))
+        touched = self.scheduler.update_from_output(plan, result)
+        self.faults.check_step(plan.scheduled)
+        return self._process(touched)
 
     def _process(self, touched: list[Request]) -> list[RequestOutput]:
         outputs, stopped = self.output.process(touched)

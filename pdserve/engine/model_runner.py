@@ -3,10 +3,12 @@ model and samples. It makes no policy: what to run comes from the scheduler's pl
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 
+from pdserve.engine.faults import EngineFaults
 from pdserve.engine.outputs import KVConnectorOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pdserve.engine.request import MultiModalItem
 from pdserve.engine.sampler import sample
@@ -17,6 +19,8 @@ from pdserve.models.config import ModelSpec
 from pdserve.models.llama import ForwardContext, NoHooks
 from pdserve.models.registry import LoadedModel, build_model
 from pdserve.utils import cdiv
+
+log = logging.getLogger(__name__)
 
 # Allocates the KV cache tensor; data planes that share memory across processes provide their own.
 KVAllocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
@@ -43,6 +47,7 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.generators: dict[ReqId, torch.Generator] = {}
         self.default_generator = torch.Generator().manual_seed(seed)
+        self.faults = EngineFaults()
 
     # -- KV cache ---------------------------------------------------------------------------------------
     def kv_block_shape(self) -> tuple[int, ...]:
@@ -73,16 +78,19 @@ class ModelRunner:
             connector.bind_connector_metadata(plan.kv_connector_metadata)
             connector.start_load_kv()
         out = ModelRunnerOutput()
-        scheduled = plan.scheduled
-        if any(s.mm_to_produce for s in scheduled):
-            out.invalid_mm_hashes = self._produce_encoder_outputs(scheduled)
-            if out.invalid_mm_hashes:  # those requests wait for the scheduler's rollback; the others run
-                scheduled = [s for s in scheduled
-                             if not any(m.mm_hash in out.invalid_mm_hashes for m in s.mm_items)]
-        if scheduled:
-            self._run(scheduled, out)
+        try:
+            self._compute(plan.scheduled, out)
+        except Exception as exc:  # noqa: BLE001 - fails this step's requests; the tensors stay usable
+            # Nothing of the step is kept: its requests end with the error (their blocks are freed, none indexed
+            # for prefix caching), and the next step starts from the scheduler's state, which this never touched.
+            log.exception("model step over %d requests failed; failing them", len(plan.scheduled))
+            out.sampled_token_ids.clear()
+            out.logprobs.clear()
+            out.failed_req_ids = {s.request_id for s in plan.scheduled}
+            out.error = f"the engine failed to compute this request ({type(exc).__name__}: {exc})"
         if connector is not None:
-            connector.wait_for_save()
+            if not out.failed_req_ids:  # a failed step saved nothing worth announcing
+                connector.wait_for_save()
             sending, recving = connector.get_finished(plan.finished_req_ids)
             out.connector = KVConnectorOutput(
                 finished_sending=sending, finished_recving=recving, failed_recving=connector.get_failed_recving(),
@@ -90,6 +98,16 @@ class ModelRunner:
                 refused_recving=connector.get_refused_recving(), transfers=connector.get_transfer_records())
             connector.clear_connector_metadata()
         return out
+
+    def _compute(self, scheduled: list[ScheduledRequest], out: ModelRunnerOutput) -> None:
+        if any(s.mm_to_produce for s in scheduled):
+            out.invalid_mm_hashes = self._produce_encoder_outputs(scheduled)
+            if out.invalid_mm_hashes:  # those requests wait for the scheduler's rollback; the others run
+                scheduled = [s for s in scheduled
+                             if not any(m.mm_hash in out.invalid_mm_hashes for m in s.mm_items)]
+        if scheduled:
+            self.faults.check_compute(scheduled)
+            self._run(scheduled, out)
 
     def _run(self, scheduled: list[ScheduledRequest], out: ModelRunnerOutput) -> None:
         batch = [s for s in scheduled if s.is_decode] + [s for s in scheduled if not s.is_decode]

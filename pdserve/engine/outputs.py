@@ -68,3 +68,6 @@ class ModelRunnerOutput:
     logprobs: dict[ReqId, TokenLogprobs] = field(default_factory=dict)
     connector: KVConnectorOutput = field(default_factory=KVConnectorOutput)
     invalid_mm_hashes: dict[str, str] = field(default_factory=dict)  # encoder outputs that failed to load: why
+    # The model step raised: none of these requests advanced, and each ends with `error` (the engine serves on).
+    failed_req_ids: set[ReqId] = field(default_factory=set)
+    error: str = ""

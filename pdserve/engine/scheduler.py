@@ -229,6 +229,10 @@ class Scheduler:
     def update_from_output(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
         """Advance requests by what the runner computed; return those with a new token or a new ending."""
         touched: list[Request] = []
+        for rid in result.failed_req_ids:
+            request = self.requests.get(rid)
+            if request is not None and not request.is_finished:
+                self._end(request, result.error)
         rolled_back = self._handle_invalid_blocks(plan, result.connector)
         rolled_back |= self._handle_invalid_mm_items(plan, result.invalid_mm_hashes)
         now = time.monotonic()

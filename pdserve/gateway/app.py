@@ -11,6 +11,8 @@ import msgspec
 
 from pdserve.gateway.service import Gateway
 from pdserve.ids import new_external_request_id
+from pdserve.net.front import STATE_KEY, Front
+from pdserve.net.json_body import BodyError, decode_object
 from pdserve.server.errors import error_body
 
 log = logging.getLogger(__name__)
@@ -88,7 +90,7 @@ async def _wait_disconnect(receive: Any) -> None:
         pass
 
 
-def build_app(gateway: Gateway) -> Any:
+def build_app(gateway: Gateway, log_requests: bool = True) -> Any:
     async def app(scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return
@@ -118,10 +120,12 @@ def build_app(gateway: Gateway) -> Any:
         else:
             await _error(send, 404, f"no route {method} {path}")
 
-    return app
+    return Front(app, log_requests)
 
 
 async def _proxy(gateway: Gateway, scope: dict, receive: Any, send: Any, path: str) -> None:
+    request_id = _header(scope, b"x-request-id") or new_external_request_id()
+    scope["state"][STATE_KEY].request_id = request_id  # for the access log, even if the body is refused
     try:
         raw = await _read_body(receive)
     except ConnectionAbortedError:
@@ -130,16 +134,12 @@ async def _proxy(gateway: Gateway, scope: dict, receive: Any, send: Any, path: s
         await _error(send, 413, str(exc))
         return
     try:
-        body = msgspec.json.decode(raw)
-    except msgspec.DecodeError as exc:
-        await _error(send, 400, f"malformed JSON body: {exc}")
-        return
-    if not isinstance(body, dict):
-        await _error(send, 400, "the request body must be a JSON object")
+        body = decode_object(raw)
+    except BodyError as exc:
+        await _error(send, 400, str(exc))
         return
     if "kv_transfer_params" in body and not gateway.config.allow_client_kv_params:
         del body["kv_transfer_params"]  # only the gateway decides where KV comes from
-    request_id = _header(scope, b"x-request-id") or new_external_request_id()
     response = _ResponseTracker(send)
     work = gateway.handle(path, body, request_id, response, _header(scope, b"traceparent"))
     await _until_disconnect(receive, work, response)
@@ -169,18 +169,20 @@ async def _models(gateway: Gateway, send: Any) -> None:
 
 async def _membership(gateway: Gateway, receive: Any, send: Any, path: str) -> None:
     try:
-        data = msgspec.json.decode(await _read_body(receive))
-        url = data["url"]
+        data = decode_object(await _read_body(receive))
+        url, role = data.get("url"), data.get("role", "both")
+        if not isinstance(url, str) or not isinstance(role, str):
+            raise BodyError('expected {"url": "http://host:port", "role": "prefill"|"decode"|"both"|"encode"}')
         if path == "/register":
-            instance = gateway.registry.add(url, data.get("role", "both"))
+            instance = gateway.registry.add(url, role)
             await gateway.registry.probe_all()
             await _respond(send, 200, _encode({"url": instance.url, "role": instance.role,
                                                "healthy": instance.healthy}))
         else:
             removed = gateway.registry.remove(url)
             await _respond(send, 200 if removed else 404, _encode({"url": url, "removed": removed}))
-    except (msgspec.DecodeError, KeyError, TypeError, ValueError) as exc:
-        await _error(send, 400, f"expected {{\"url\": ..., \"role\": ...}}: {exc}")
+    except ValueError as exc:  # a BodyError, or the registry refusing the URL or role
+        await _error(send, 400, str(exc))
     except ConnectionAbortedError:
         return
 

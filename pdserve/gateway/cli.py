@@ -17,13 +17,15 @@ from pdserve.gateway.forwarders import FORWARDERS
 from pdserve.gateway.policies import POLICIES
 from pdserve.gateway.service import Gateway, GatewayConfig
 from pdserve.net.listen import bind_socket, freeze_startup_objects, serve_announced
+from pdserve.startup import exit_on_startup_error
 
 _DEADLINE_FLAGS = {"connect_timeout": "connect_s", "prefill_timeout": "prefill_s",
                    "first_token_timeout": "first_token_s", "idle_timeout": "idle_s"}
 
 
 def add_gateway_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("gateway", help="the OpenAI front door for a prefill/decode cluster")
+    p = subparsers.add_parser("gateway", help="the OpenAI front door for a prefill/decode cluster",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--config", type=Path, help="TOML or JSON file with the same keys as the flags")
     p.add_argument("--prefill", nargs="+", default=None, metavar="URL")
     p.add_argument("--decode", nargs="+", default=None, metavar="URL")
@@ -41,9 +43,11 @@ def add_gateway_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     p.add_argument("--allow-client-kv-params", action=argparse.BooleanOptionalAction, default=None)
     for flag in _DEADLINE_FLAGS:
         p.add_argument(f"--{flag.replace('_', '-')}", type=float, default=None, metavar="SECONDS")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
+                   type=str.lower, help="log level")
+    p.add_argument("--disable-log-requests", action="store_true", help="no access-log line per request")
     p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                    help="export request timelines as OpenTelemetry spans (needs pdserve[tracing])")
     return p
@@ -73,12 +77,12 @@ def load_config(args: argparse.Namespace) -> GatewayConfig:
 def run_gateway(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        config = load_config(args)
-        gateway = Gateway(config)
-    except ValueError as exc:
-        print(f"pdserve gateway: {exc}", file=sys.stderr)
-        return 2
+    return exit_on_startup_error("pdserve gateway", lambda: _run(args))
+
+
+def _run(args: argparse.Namespace) -> int:
+    config = load_config(args)
+    gateway = Gateway(config)
     sock = bind_socket(args.host, args.port)
     try:
         import uvloop
@@ -86,17 +90,17 @@ def run_gateway(args: argparse.Namespace) -> int:
         uvloop.install()
     except ImportError:
         pass
-    asyncio.run(_serve(gateway, sock, args.log_level))
+    asyncio.run(_serve(gateway, sock, args.log_level, not args.disable_log_requests))
     return 0
 
 
-async def _serve(gateway: Gateway, sock: Any, log_level: str) -> None:
+async def _serve(gateway: Gateway, sock: Any, log_level: str, log_requests: bool) -> None:
     from pdserve.gateway.app import build_app
 
     await gateway.start()
     freeze_startup_objects()
     try:
-        await serve_announced(build_app(gateway), sock, log_level, {
+        await serve_announced(build_app(gateway, log_requests), sock, log_level, {
             "role": "gateway", "protocol": gateway.config.protocol, "scheduling": gateway.config.scheduling})
     finally:
         await gateway.stop()

@@ -15,7 +15,19 @@ import uvicorn
 KEEP_ALIVE_S = 75
 
 
+class StartupError(Exception):
+    """A process cannot start (a port in use, a bad flag value): reported as one line, exit status 2."""
+
+
 def bind_socket(host: str, port: int) -> socket.socket:
+    """Bound and listening; raises StartupError naming the address when it is taken or not ours to use."""
+    try:
+        return _bind(host, port)
+    except OSError as exc:
+        raise StartupError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
+def _bind(host: str, port: int) -> socket.socket:
     # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY on accepted connections only when the listening socket
     # says so, and without it every small JSON answer waits ~40 ms on Nagle and delayed ACKs (measured).
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)

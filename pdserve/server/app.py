@@ -14,7 +14,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from pdserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestTimeoutError
-from pdserve.ids import new_external_request_id
+from pdserve.ids import clean_request_id, new_external_request_id
+from pdserve.net.front import STATE_KEY, Front
+from pdserve.net.json_body import BodyError, decode_object
 from pdserve.server.errors import OpenAIError, error_body
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -44,11 +46,9 @@ async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
     if len(raw) > MAX_BODY_BYTES:
         raise OpenAIError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
     try:
-        data = msgspec.json.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise OpenAIError(400, f"malformed JSON body: {exc}") from exc
-    if not isinstance(data, dict):
-        raise OpenAIError(400, "the request body must be a JSON object")
+        data = decode_object(raw)
+    except BodyError as exc:
+        raise OpenAIError(400, str(exc)) from None
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -57,8 +57,9 @@ async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
         raise OpenAIError(400, f"invalid request: {where}: {first.get('msg')}", where) from exc
 
 
-def external_request_id(request: Request, body_id: str | None = None) -> str:
-    return request.headers.get("x-request-id") or body_id or new_external_request_id()
+def external_request_id(request: Request, body_id: str | None = None, minted: str | None = None) -> str:
+    # The header was cleaned at the door (pdserve.net.front); an id in the body is cleaned here.
+    return request.headers.get("x-request-id") or clean_request_id(body_id) or minted or new_external_request_id()
 
 
 async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
@@ -109,8 +110,9 @@ async def guard_stream(request: Request, chunks: AsyncIterator[bytes]) -> AsyncI
 
 
 def build_app(engine: AsyncEngine, serving: OpenAIServing, metrics: ServerMetrics,
-              extra_routes: Callable[[FastAPI], None] | None = None) -> FastAPI:
+              extra_routes: Callable[[FastAPI], None] | None = None, log_requests: bool = True) -> FastAPI:
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
+    app.add_middleware(Front, log_requests=log_requests)
     engine.output_listeners.append(metrics.on_output)
     _add_openai_routes(app, serving)
     _add_info_routes(app, engine, serving, metrics)
@@ -123,17 +125,19 @@ def build_app(engine: AsyncEngine, serving: OpenAIServing, metrics: ServerMetric
 async def openai_route(request: Request, model: type[BaseModel],
                        handler: Callable[[Any, str, dict[str, str]], Awaitable[Any]]) -> Response:
     """Parse, run until the client leaves, and map every failure to its OpenAI-style error."""
-    headers: dict[str, str] = {}
+    minted = new_external_request_id()
+    headers = {"X-Request-Id": request.headers.get("x-request-id") or minted}  # even a refused body has one
     try:
         body = await parse_body(request, model)
-        external_id = external_request_id(request, getattr(body, "request_id", None))
+        external_id = external_request_id(request, getattr(body, "request_id", None), minted)
         headers["X-Request-Id"] = external_id
-        origin = Origin(external_id, time.time_ns(), request.headers.get("traceparent"))
+        origin = Origin(external_id, time.time_ns(), request.headers.get("traceparent"),
+                        request.scope.get("state", {}).get(STATE_KEY))
         result = await until_disconnect(request, handler(body, origin, headers))
     except OpenAIError as exc:
         return error_response(exc, headers)
     except ClientDisconnected:
-        return Response(status_code=499)
+        return Response(status_code=499, headers=headers)
     except EngineDeadError as exc:
         return error_response(OpenAIError(503, str(exc)), headers)
     except RequestTimeoutError as exc:
@@ -192,8 +196,3 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(405)
     async def not_allowed(request: Request, exc: Exception) -> JSONResponse:
         return JSONResponse(error_body(405, f"{request.method} is not allowed on {request.url.path}"), 405)
-
-    @app.exception_handler(Exception)
-    async def internal(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s", request.url.path)
-        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}: {exc}"), 500)

@@ -4,41 +4,45 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import socket
 import sys
 from pathlib import Path
 
 from pdserve.config import DEFAULT_KV_CACHE_GIB, ROLES, EngineConfig
-from pdserve.net.listen import bind_socket, freeze_startup_objects, serve_announced
+from pdserve.net.listen import StartupError, bind_socket, freeze_startup_objects, serve_announced
+from pdserve.startup import STARTUP_ERRORS, exit_on_startup_error, json_object
 
 log = logging.getLogger("pdserve.serve")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", type=Path, help="Hugging Face model folder (config.json, *.safetensors, tokenizer)")
-    p.add_argument("--served-model-name", nargs="+", default=None)
-    p.add_argument("--tokenizer", type=Path, default=None)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--served-model-name", nargs="+", default=None, help="the name clients use (default: the path)")
+    p.add_argument("--tokenizer", type=Path, default=None, help="tokenizer folder, if not the model's")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and KV cache dtype")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt plus output (default: the model's max_position_embeddings)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--num-gpu-blocks-override", "--num-kv-blocks", dest="num_kv_blocks", type=int, default=None,
                    help="number of KV blocks (overrides --kv-cache-memory-gib)")
-    p.add_argument("--kv-cache-memory-gib", type=float, default=DEFAULT_KV_CACHE_GIB)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-cache-memory-gib", type=float, default=DEFAULT_KV_CACHE_GIB, help="memory for the KV cache")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one batch")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="most tokens computed in one step")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="share the KV of common prompt prefixes")
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="split long prompts across steps")
+    p.add_argument("--seed", type=int, default=0, help="seed of requests that bring none")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="torch device")
     p.add_argument("--role", choices=ROLES, default=None,
                    help="shorthand for the instance's role; --kv-transfer-config gives full control")
-    p.add_argument("--kv-transfer-config", type=json.loads, default=None,
+    p.add_argument("--kv-transfer-config", type=json_object, default=None,
                    help='JSON like vLLM\'s: {"kv_connector": ..., "kv_role": "kv_producer"|"kv_consumer"|"kv_both", '
                         '"kv_connector_extra_config": {...}}')
-    p.add_argument("--ec-transfer-config", type=json.loads, default=None,
+    p.add_argument("--ec-transfer-config", type=json_object, default=None,
                    help='JSON like vLLM\'s: {"ec_connector": "ECStorageConnector"|"ECP2PConnector", "ec_role": ..., '
                         '"ec_load_failure_policy": "recompute"|"fail", "ec_connector_extra_config": {...}}')
     p.add_argument("--encoder-cache-size", type=int, default=None, help="embeddings of encoder outputs to keep")
@@ -48,12 +52,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("serve", help="serve a model over vLLM's OpenAI API")
+    p = subparsers.add_parser("serve", help="serve a model over vLLM's OpenAI API",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_engine_args(p)
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed in the ready line)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds without progress before a request fails")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
+                   type=str.lower, help="log level")
+    p.add_argument("--disable-log-requests", action="store_true", help="no access-log line per request")
     p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                    help="export request timelines as OpenTelemetry spans to this OTLP/HTTP collector "
                         "(needs pdserve[tracing]; off by default)")
@@ -80,17 +87,27 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return exit_on_startup_error("pdserve serve", lambda: _serve(args))
+
+
+def _serve(args: argparse.Namespace) -> int:
     from pdserve.instance import Instance
 
     config = engine_config_from_args(args)
-    instance = Instance(config, request_timeout_s=args.request_timeout, otlp_traces_endpoint=args.otlp_traces_endpoint)
-    sock = bind_socket(args.host, args.port)
+    if not config.model.is_dir():
+        raise StartupError(f"model folder {config.model} does not exist")
+    sock = bind_socket(args.host, args.port)  # before loading the model: a taken port fails in a second
+    instance = Instance(config, request_timeout_s=args.request_timeout, otlp_traces_endpoint=args.otlp_traces_endpoint,
+                        log_requests=not args.disable_log_requests)
     asyncio.run(serve_app(instance, sock, args.log_level))
     return 0
 
 
 async def serve_app(instance, sock: socket.socket, log_level: str = "info") -> None:
-    app = await instance.start(advertised_host=sock.getsockname()[0])
+    try:
+        app = await instance.start(advertised_host=sock.getsockname()[0])
+    except STARTUP_ERRORS as exc:  # e.g. the side channel's port is taken
+        raise StartupError(str(exc)) from exc
     freeze_startup_objects()
     try:
         await serve_announced(app, sock, log_level, instance.ready_fields())

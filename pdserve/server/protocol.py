@@ -1,16 +1,39 @@
 """Request bodies of vLLM's OpenAI dialect, and their translation into SamplingParams.
 
-Unknown fields are accepted and ignored (as vLLM does; routers add their own defaults), but fields that name a
-feature pdserve does not implement are refused with a 400 rather than silently ignored.
+Unknown fields are accepted and ignored (as vLLM does; routers add their own defaults), but fields of vLLM's
+dialect that name a feature pdserve does not implement are refused with a 400 naming the field rather than
+silently ignored. Every number is range-checked here or in SamplingParams.validate, before anything reaches the
+engine: a value the engine cannot take must be the client's 400, never the engine's failure.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from pdserve.sampling_params import SamplingParams
+from pdserve.sampling_params import MAX_LOGPROBS, SamplingParams
+
+# torch generators take 64-bit seeds; vLLM bounds `seed` the same way.
+Seed = Annotated[int, Field(ge=-(2 ** 63), le=2 ** 63 - 1)]
+
+# vLLM fields pdserve does not implement, with the values that mean "not used" (those are accepted).
+_REFUSED_UNLESS: dict[str, tuple[Any, ...]] = {
+    "prompt_logprobs": (None,), "prompt_embeds": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,), "structured_outputs": (None,),
+    "logits_processors": (None,), "vllm_xargs": (None,), "return_hidden_states": (None, False),
+    "use_beam_search": (None, False), "priority": (None, 0), "cache_salt": (None,),
+    "return_tokens_as_token_ids": (None, False), "functions": (None,), "function_call": (None,),
+    "chat_template": (None,), "documents": (None,),
+}
+_WHY = {
+    "cache_salt": "prefix-cache isolation is not implemented",
+    "priority": "requests are scheduled first come, first served",
+    "functions": "function calling is not implemented",
+    "function_call": "function calling is not implemented",
+    "chat_template": "only the model's own chat template is used",
+}
 
 
 class UnsupportedFieldError(ValueError):
@@ -34,7 +57,7 @@ class _SamplingFields(BaseModel):
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     repetition_penalty: float | None = None
@@ -52,6 +75,9 @@ class _SamplingFields(BaseModel):
     return_token_ids: bool = False
     kv_transfer_params: dict[str, Any] | None = None
     ec_transfer_params: dict[str, Any] | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None  # -1: keep the last max_model_len - 1
+    response_format: dict[str, Any] | None = None
+    add_special_tokens: bool | None = None
 
     def unknown_fields(self) -> list[str]:
         return sorted((self.model_extra or {}).keys())
@@ -63,11 +89,13 @@ class _SamplingFields(BaseModel):
             raise UnsupportedFieldError("logit_bias")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be set when stream is true")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise UnsupportedFieldError("response_format", "structured output is not implemented")
         extra = self.model_extra or {}
-        for name in ("prompt_logprobs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                     "structured_outputs", "return_hidden_states", "allowed_token_ids", "bad_words"):
-            if extra.get(name) not in (None, False, [], {}):
-                raise UnsupportedFieldError(name)
+        for name, unused in _REFUSED_UNLESS.items():
+            value = extra.get(name)
+            if not any(value is u or (type(value) is type(u) and value == u) for u in unused):
+                raise UnsupportedFieldError(name, _WHY.get(name, ""))
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -99,25 +127,31 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: str | None = None
 
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_not_empty(cls, p: str | list[str] | list[int] | list[list[int]]
+                          ) -> str | list[str] | list[int] | list[list[int]]:
+        if isinstance(p, list) and not p:
+            raise ValueError("prompt must not be an empty list")
+        return p
+
     def check_supported(self) -> None:
         self._common_checks()
         if self.suffix:
             raise UnsupportedFieldError("suffix")
         if self.echo and self.logprobs is not None:
             raise UnsupportedFieldError("echo with logprobs", "prompt logprobs are not computed")
+        if self.add_special_tokens is False:
+            raise UnsupportedFieldError("add_special_tokens", "completion prompts always get them")
 
     def prompts(self) -> list[str | list[int]]:
-        """The request's prompts: one string, token ids, or a batch of either."""
+        """The request's prompts: one string, token ids, or a batch of either (never empty: see the validator)."""
         p = self.prompt
         if isinstance(p, str):
             return [p]
-        if not p:
-            raise ValueError("prompt must not be empty")
         if all(isinstance(x, int) for x in p):
             return [list(p)]
-        if all(isinstance(x, str) for x in p) or all(isinstance(x, list) for x in p):
-            return list(p)
-        raise ValueError("prompt must be a string, a list of strings, a list of token ids, or a list of those")
+        return list(p)
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         return self._sampling(max_tokens, self.logprobs)
@@ -136,21 +170,25 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     echo: bool = False
 
     def check_supported(self) -> None:
         self._common_checks()
-        if self.tool_choice not in (None, "none", "auto"):
-            raise UnsupportedFieldError("tool_choice", "only 'none' and 'auto' (no tool parsing) are supported")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise UnsupportedFieldError("response_format", "structured output is not implemented")
+        if self.tools and self.tool_choice != "none":
+            # vLLM too refuses tools unless a tool-call parser is configured; pdserve has none. With
+            # tool_choice "none" the tools are only rendered into the prompt by the chat template.
+            raise UnsupportedFieldError("tools", "tool calls are not parsed; send tool_choice 'none' to only "
+                                                 "render the tools into the prompt")
+        if self.tool_choice not in (None, "none"):
+            raise UnsupportedFieldError("tool_choice", "only 'none' is supported (tool calls are not parsed)")
+        if self.add_special_tokens:
+            raise UnsupportedFieldError("add_special_tokens", "the chat template decides the special tokens")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
 

@@ -91,7 +91,7 @@ class OpenAIServing:
     async def _completions(self, body: CompletionRequest, kv: ParsedKV, origin: Origin,
                            headers: dict[str, str] | None) -> dict | AsyncIterator[bytes]:
         self._check_common(body)
-        prompts = [self._completion_prompt(p) for p in body.prompts()]
+        prompts = [self._truncated(body, self._completion_prompt(p)) for p in body.prompts()]
         params = [self._params(body, body.max_tokens, len(p.token_ids)) for p in prompts]
         return await self._run("completion", body, kv, origin, prompts, params, headers)
 
@@ -100,7 +100,7 @@ class OpenAIServing:
         self._check_common(body)
         if body.echo:
             raise OpenAIError(400, "'echo' is not supported by pdserve for chat completions", "echo")
-        prompt = await self._chat_prompt(body)
+        prompt = self._truncated(body, await self._chat_prompt(body))
         token_ids = prompt.token_ids
         params = [self._params(body, body.requested_max_tokens(), len(token_ids))]
         return await self._run("chat", body, kv, origin, [prompt], params, headers)
@@ -134,6 +134,21 @@ class OpenAIServing:
         if ignored:
             log.debug("ignoring unknown request fields: %s", ignored)
 
+    def _truncated(self, body: CompletionRequest | ChatCompletionRequest, prompt: _Prompt) -> _Prompt:
+        """`truncate_prompt_tokens`: keep the prompt's last k tokens, as vLLM does (-1: max_model_len)."""
+        k = body.truncate_prompt_tokens
+        if k is None:
+            return prompt
+        if k > self.max_model_len:
+            raise bad_request(f"truncate_prompt_tokens ({k}) is greater than max_model_len ({self.max_model_len}); "
+                              f"please select a smaller truncation size", "truncate_prompt_tokens")
+        keep = self.max_model_len if k == -1 else k
+        if len(prompt.token_ids) <= keep:
+            return prompt
+        if prompt.mm_items:
+            raise bad_request("truncate_prompt_tokens cannot cut a prompt with images", "truncate_prompt_tokens")
+        return _Prompt(prompt.token_ids[len(prompt.token_ids) - keep:], None)
+
     def _completion_prompt(self, prompt: str | list[int]) -> _Prompt:
         if isinstance(prompt, str):
             return _Prompt(self.tokenizer.encode(prompt), prompt)
@@ -155,7 +170,7 @@ class OpenAIServing:
         try:
             params.validate(self.engine.engine.vocab_size)
         except SamplingParamsError as exc:
-            raise bad_request(str(exc)) from exc
+            raise bad_request(str(exc), exc.param) from exc
         return params
 
     # -- running ----------------------------------------------------------------------------------------
@@ -179,6 +194,8 @@ class OpenAIServing:
                                                 traceparent=origin.traceparent)
                 streams.append(self._generate(external, rid, prompt.token_ids, p.for_child(j), kv_params, items,
                                               timeline))
+        if origin.access is not None:
+            origin.access.usage = lambda: _usage(prompts, sequences)
         if headers is not None:
             # The instance's own ids (external id + random suffix): useful in logs, never shared between P and D.
             headers["X-Pdserve-Request-Ids"] = ",".join(internal_ids)

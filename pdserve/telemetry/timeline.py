@@ -63,6 +63,7 @@ class Origin:
     request_id: str
     arrival_ns: int
     traceparent: str | None = None
+    access: Any = None  # the access-log record (pdserve.net.front) the serving reports token counts to
 
 
 def wall_ns_of(monotonic_s: float) -> int:

@@ -1,0 +1,103 @@
+"""The outermost layer of every HTTP app (instance and gateway), in plain ASGI.
+
+It gives each request a safe `X-Request-Id` (bounded, no control characters), turns an error that escaped the
+app into one logged traceback and an OpenAI-style 500 (instead of the server's plain-text 500, a second
+traceback and a reset connection), and writes one access-log line per request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from pdserve.ids import clean_request_id
+
+log = logging.getLogger("pdserve.server")
+access_log = logging.getLogger("pdserve.access")
+_encode = msgspec.json.Encoder().encode
+# Polled by load balancers and scrapers every few seconds: not worth a log line each.
+_QUIET_PATHS = frozenset({"/health", "/metrics"})
+STATE_KEY = "pdserve_access"
+
+
+@dataclass(slots=True)
+class AccessRecord:
+    """What the access log says about one request; a route fills in what only it knows."""
+
+    method: str
+    path: str
+    started: float
+    status: int = 0
+    request_id: str = "-"
+    usage: Callable[[], dict[str, Any]] | None = None  # token counts, read when the response ended
+
+    def line(self) -> str:
+        parts = [f"{self.method} {self.path} {self.status} {time.monotonic() - self.started:.3f}s "
+                 f"id={self.request_id}"]
+        usage = self.usage() if self.usage is not None else None
+        if usage:
+            parts.append(f"prompt_tokens={usage.get('prompt_tokens')} "
+                         f"completion_tokens={usage.get('completion_tokens')}")
+        return " ".join(parts)
+
+
+class Front:
+    def __init__(self, app: Any, log_requests: bool = True) -> None:
+        self.app = app
+        self.log_requests = log_requests
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        scope["headers"] = _clean_headers(scope["headers"])
+        record = AccessRecord(scope["method"], scope["path"], time.monotonic())
+        scope.setdefault("state", {})[STATE_KEY] = record
+
+        async def tracking_send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                record.status = message["status"]
+                for key, value in message.get("headers", ()):
+                    if key.lower() == b"x-request-id":
+                        record.request_id = value.decode("latin-1")
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:  # noqa: BLE001 - the one place an unexpected error is logged and answered
+            log.exception("unexpected error on %s %s", record.method, record.path)
+            if not record.status:
+                await _internal_error(tracking_send, type(exc).__name__)
+        finally:
+            # An app that returned without answering saw its client leave (nginx's 499).
+            record.status = record.status or 499
+            if self.log_requests and record.path not in _QUIET_PATHS:
+                access_log.info("%s", record.line())
+
+
+async def _internal_error(send: Any, kind: str) -> None:
+    body = _encode({"error": {"message": f"internal server error ({kind}; details in the server's log)",
+                              "type": "InternalServerError", "param": None, "code": 500}})
+    try:
+        await send({"type": "http.response.start", "status": 500,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body})
+    except OSError:  # the client is gone: nobody to tell
+        pass
+
+
+def _clean_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    out = []
+    for key, value in headers:
+        if key == b"x-request-id":
+            cleaned = clean_request_id(value.decode("latin-1"))
+            if cleaned is None:
+                continue
+            value = cleaned.encode()
+        out.append((key, value))
+    return out
