@@ -198,9 +198,11 @@ def build_pd_connector(config: EngineConfig, model: ModelSpec) -> ConnectorBundl
         capture_path=extra.get("capture_messages") or os.environ.get("PDSERVE_CAPTURE_MESSAGES"),
         preferred_plane=preferred, planes=planes, faults=resolve_fault_config(extra)))
     max_blocks = cdiv(model.max_model_len, config.block_size)
-    scheduler = PdConnectorScheduler(config.block_size, load_timeout_s=agent.config.load_timeout_s)
+    policy = str(kv_cfg.get("kv_load_failure_policy", "recompute"))
+    scheduler = PdConnectorScheduler(config.block_size, load_timeout_s=agent.config.load_timeout_s,
+                                     load_failure_policy=policy)
     worker = PdConnectorWorker(agent, config.block_size, push_timeout_s=agent.config.push_timeout_s,
-                               unregistered_timeout_s=agent.config.lease_s)
+                               unregistered_timeout_s=agent.config.lease_s, load_failure_policy=policy)
     return ConnectorBundle(scheduler=scheduler, worker=worker, agent=agent, planes=planes,
                            engine_id=engine_id, max_blocks=max_blocks, pool_owner=plane_names[0],
                            fault_api=bool(extra.get("fault_injection_api", os.environ.get("PDSERVE_FAULTS_API"))))

@@ -72,6 +72,7 @@ class LoadResult:
     seconds: float = 0.0
     invalid_blocks: list[int] = field(default_factory=list)  # local blocks that arrived damaged
     fatal: bool = False  # refused as never granted: the request must fail whatever the policy
+    mismatch: bool = False  # refused because the producer's KV belongs to another prompt
     plane: str = ""  # the data plane the bytes came over ("" if none was reached)
     started_at: float = 0.0  # time.monotonic() when the transfer began (load submitted, push registered)
 
