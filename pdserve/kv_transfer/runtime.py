@@ -18,6 +18,7 @@ import torch
 from pdserve.ids import ReqId
 from pdserve.kv_transfer.data_plane import DataPlane
 from pdserve.kv_transfer.faults import FaultConfig, FaultInjector
+from pdserve.kv_transfer.peer_policy import PeerPolicy
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ class AgentConfig:
     preferred_plane: str = "auto"  # "auto" picks shm when the peer shares this host
     planes: dict[str, DataPlane] = field(default_factory=dict)
     faults: FaultConfig = field(default_factory=FaultConfig)
+    peers: PeerPolicy = field(default_factory=lambda: PeerPolicy.from_config(None))  # whom we may dial
 
 
 @dataclass(slots=True)
