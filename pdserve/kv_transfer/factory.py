@@ -27,8 +27,8 @@ from pdserve.kv_transfer.data_plane import DataPlane, make_data_plane
 from pdserve.kv_transfer.decode_first import DecodeFirstClient
 from pdserve.kv_transfer.faults import FaultConfig, resolve_fault_config
 from pdserve.kv_transfer.messages import PROTOCOL_VERSION
-from pdserve.kv_transfer.params import (DecodeFirst, KVParamsError, KVTransferParams, RemotePrefill, parse_kv_params,
-                                        parse_release)
+from pdserve.kv_transfer.params import (DecodeFirst, KVParamsError, KVTransferParams, RemoteDecode, RemotePrefill,
+                                        parse_kv_params, parse_release)
 from pdserve.kv_transfer.pd_connector import PdConnectorScheduler, PdConnectorWorker, ProducerIdentity
 from pdserve.kv_transfer.peer_policy import PeerNotAllowed, PeerPolicy
 from pdserve.models.config import ModelSpec
@@ -81,10 +81,14 @@ class ConnectorBundle:
         except KVParamsError as exc:
             raise KVParamsRejected(str(exc)) from exc
 
-    def check_request_params(self, parsed: KVTransferParams, num_sequences: int) -> None:
-        if num_sequences > 1:
-            self.reject(parsed, "n > 1 or batched prompts")
-            raise KVParamsRejected("kv_transfer_params need a single prompt with n = 1")
+    def check_request_params(self, parsed: KVTransferParams, num_prompts: int, n: int) -> None:
+        """One transfer is one prompt's KV. A decode request may sample it n times (the samples share the blocks);
+        a prefill leg prefills once, so it takes n = 1 (routers send P one token, whatever the client asked)."""
+        if num_prompts > 1:
+            self.reject(parsed, "a list of prompts")
+            raise KVParamsRejected("kv_transfer_params belong to a single prompt: send one request per prompt")
+        if n > 1 and isinstance(parsed, RemoteDecode):
+            raise KVParamsRejected("a prefill request (do_remote_decode) prefills once: it takes n = 1")
 
     async def prepare_request_params(self, parsed: KVTransferParams, prompt_token_ids: list[int]
                                      ) -> KVTransferParams | None:

@@ -32,6 +32,11 @@ PROMPT_MISMATCH = ("KV transfer refused: the prefill instance's KV belongs to a 
                    "(the prefill and decode requests were paired wrongly)")
 
 
+def _transfer_key(parsed: RemotePrefill) -> tuple[str, int, str | None]:
+    """The samples of one request share their transfer: the same P and the same key on it."""
+    return parsed.host, parsed.port, parsed.remote_key or parsed.transfer_id
+
+
 def _prompt_hash(request: Request) -> str:
     return prompt_hash(request.prompt_token_ids, [(m.offset, m.mm_hash) for m in request.mm_items])
 
@@ -90,6 +95,10 @@ class PdConnectorScheduler(KVConnectorScheduler):
         self.identity: ProducerIdentity | None = None
         self._parsed: dict[ReqId, RemoteDecode | RemotePrefill] = {}
         self._hashes: dict[ReqId, str] = {}  # the prompt each transferring request's KV belongs to
+        # n > 1 on a decode instance: the first sample (the leader) loads the prompt's KV once; the others wait
+        # for it, then find the prompt's blocks in the prefix cache.
+        self._leaders: dict[tuple[str, int, str | None], Request] = {}
+        self._followers: dict[ReqId, Request] = {}
         self._pending: PdConnectorMetadata = PdConnectorMetadata()
         self._allocated: set[ReqId] = set()  # consumer requests whose load was planned
         self._loading: set[ReqId] = set()  # loads handed to the worker and not finished
@@ -100,6 +109,12 @@ class PdConnectorScheduler(KVConnectorScheduler):
         parsed = request.kv_transfer_params  # parsed and validated where the server read the request
         if parsed is None:
             return
+        if isinstance(parsed, RemotePrefill):
+            leader = self._leaders.get(_transfer_key(parsed))
+            if leader is not None and not leader.is_finished:
+                self._followers[request.request_id] = leader
+                return
+            self._leaders[_transfer_key(parsed)] = request
         self._parsed[request.request_id] = parsed
         self._hashes[request.request_id] = _prompt_hash(request)
         if isinstance(parsed, RemotePrefill) and parsed.mode == "pull":
@@ -110,6 +125,13 @@ class PdConnectorScheduler(KVConnectorScheduler):
         return errors
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        leader = self._followers.get(request.request_id)
+        if leader is not None:
+            loading = leader.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            if not leader.is_finished and (loading or leader.num_computed_tokens < leader.num_prompt_tokens - 1):
+                return None, False  # the prompt's KV is not in this instance yet: wait for the leader
+            del self._followers[request.request_id]
+            return 0, False  # from here on an ordinary request: its prompt is in the prefix cache
         parsed = self._parsed.get(request.request_id)
         if not isinstance(parsed, RemotePrefill) or request.request_id in self._allocated:
             return 0, False
@@ -128,6 +150,7 @@ class PdConnectorScheduler(KVConnectorScheduler):
         (recompute) or ends with a clear error (fail)."""
         rid = request.request_id
         del self._parsed[rid]
+        self._forget_leader(request, parsed)
         self._pending.unwatch.append(WatchSpec(parsed.host, parsed.port, parsed.remote_key))
         self._release(parsed, "the decode request's prompt differs from the transfer's")
         if self.load_failure_policy == "fail":
@@ -186,8 +209,10 @@ class PdConnectorScheduler(KVConnectorScheduler):
     # -- endings --------------------------------------------------------------------------------------------
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, KVHandOff | None]:
         rid = request.request_id
+        self._followers.pop(rid, None)
         parsed = self._parsed.pop(rid, None)
         hashed = self._hashes.pop(rid, "")
+        self._forget_leader(request, parsed)
         was_planned = rid in self._allocated
         self._allocated.discard(rid)
         if isinstance(parsed, RemoteDecode):
@@ -248,6 +273,10 @@ class PdConnectorScheduler(KVConnectorScheduler):
             self._pending.releases.append(ReleaseSpec(parsed.host, parsed.port, parsed.transfer_id, "",
                                                       "decode request ended before registering"))
         return False, None
+
+    def _forget_leader(self, request: Request, parsed: RemoteDecode | RemotePrefill | None) -> None:
+        if isinstance(parsed, RemotePrefill) and self._leaders.get(_transfer_key(parsed)) is request:
+            del self._leaders[_transfer_key(parsed)]
 
     def _release(self, parsed: RemotePrefill, reason: str) -> None:
         if parsed.remote_key is not None:
