@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from pdserve.launcher import start, start_instance
-from server_utils import metric_values, wait_until_idle
+from server_utils import metric_values, processes, wait_until_idle
 
 COMMON = ["--max-model-len", "512", "--num-kv-blocks", "256", "--served-model-name", "tiny"]
 PROTOCOLS = ("pull", "push", "decode-first")
@@ -38,18 +38,14 @@ def kv(role: str) -> str:
 @pytest.fixture(scope="module")
 def cluster(models):
     model = models("qwen2")
-    procs = {}
-    try:
-        procs["P"] = start_instance(model, *COMMON, "--kv-transfer-config", kv("kv_producer"), name="P")
-        procs["D"] = start_instance(model, *COMMON, "--kv-transfer-config", kv("kv_consumer"), name="D")
-        procs["C"] = start_instance(model, *COMMON, name="C")
-        for protocol in PROTOCOLS:
-            procs[protocol] = start("gateway", ["gateway", "--port", "0", "--log-level", "warning", "--protocol",
-                                                protocol, "--prefill", procs["P"].url, "--decode", procs["D"].url])
-        yield procs
-    finally:
-        for proc in procs.values():
-            proc.stop()
+    with processes(P=lambda: start_instance(model, *COMMON, "--kv-transfer-config", kv("kv_producer"), name="P"),
+                   D=lambda: start_instance(model, *COMMON, "--kv-transfer-config", kv("kv_consumer"), name="D"),
+                   C=lambda: start_instance(model, *COMMON, name="C")) as procs:
+        gateways = {protocol: (lambda p=protocol: start("gateway", [
+            "gateway", "--port", "0", "--log-level", "warning", "--protocol", p, "--prefill", procs["P"].url,
+            "--decode", procs["D"].url])) for protocol in PROTOCOLS}
+        with processes(**gateways) as gws:
+            yield {**procs, **gws}
 
 
 def post(url: str, path: str, body: dict) -> dict:

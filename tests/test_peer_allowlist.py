@@ -13,7 +13,7 @@ import pytest
 from pdserve.ids import new_transfer_id
 from pdserve.kv_transfer.peer_policy import PeerNotAllowed, PeerPolicy
 from pdserve.launcher import start_instance
-from server_utils import metric_values, wait_until_idle
+from server_utils import metric_values, processes, wait_until_idle
 
 COMMON = ["--max-model-len", "512", "--num-kv-blocks", "64", "--served-model-name", "tiny"]
 
@@ -26,15 +26,10 @@ def kv(**extra) -> str:
 @pytest.fixture(scope="module")
 def decoders(models):
     model = models("llama")
-    procs = {}
-    try:
-        procs["default"] = start_instance(model, *COMMON, "--kv-transfer-config", kv(), name="D")
-        procs["narrow"] = start_instance(model, *COMMON, "--kv-transfer-config",
-                                         kv(allowed_peers=["10.0.0.0/8"]), name="Dn")
+    with processes(default=lambda: start_instance(model, *COMMON, "--kv-transfer-config", kv(), name="D"),
+                   narrow=lambda: start_instance(model, *COMMON, "--kv-transfer-config",
+                                                 kv(allowed_peers=["10.0.0.0/8"]), name="Dn")) as procs:
         yield procs
-    finally:
-        for proc in procs.values():
-            proc.stop()
 
 
 def pull(host: str, port: int = 5600) -> dict:

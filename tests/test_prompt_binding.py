@@ -15,7 +15,7 @@ import pytest
 
 from pdserve.ids import new_transfer_id
 from pdserve.launcher import start_instance
-from server_utils import metric_values, wait_until_idle
+from server_utils import metric_values, processes, wait_until_idle
 
 COMMON = ["--max-model-len", "512", "--num-kv-blocks", "192", "--served-model-name", "tiny"]
 X, Y = list(range(10, 50)), list(range(400, 440))  # 40 tokens each: three blocks of 16
@@ -30,18 +30,16 @@ def kv(role: str, **extra) -> str:
 @pytest.fixture(scope="module")
 def pd(models):
     model = models("llama")
-    procs = {}
-    try:
-        procs["P"] = start_instance(model, *COMMON, "--kv-transfer-config", kv("kv_producer"), name="P")
-        # D recomputes over shared memory (same host); F fails over TCP.
-        procs["D"] = start_instance(model, *COMMON, "--kv-transfer-config", kv("kv_consumer"), name="D")
-        procs["F"] = start_instance(model, *COMMON, "--kv-transfer-config",
-                                    kv("kv_consumer", policy="fail", data_plane="tcp"), name="F")
-        procs["C"] = start_instance(model, *COMMON, name="C")
+
+    def instance(name: str, *extra: str):
+        return lambda: start_instance(model, *COMMON, *extra, name=name)
+
+    # D recomputes over shared memory (same host); F fails over TCP.
+    with processes(P=instance("P", "--kv-transfer-config", kv("kv_producer")),
+                   D=instance("D", "--kv-transfer-config", kv("kv_consumer")),
+                   F=instance("F", "--kv-transfer-config", kv("kv_consumer", policy="fail", data_plane="tcp")),
+                   C=instance("C")) as procs:
         yield procs
-    finally:
-        for proc in procs.values():
-            proc.stop()
 
 
 @pytest.fixture(autouse=True)
