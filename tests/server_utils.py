@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+
+@contextlib.contextmanager
+def processes(**starters: Callable[[], object]) -> Iterator[dict]:
+    """Start each named process in order (a launcher call), yield them by name, and stop every one started."""
+    procs: dict = {}
+    try:
+        for name, starter in starters.items():
+            procs[name] = starter()
+        yield procs
+    finally:
+        for proc in procs.values():
+            proc.stop()
 
 
 def metric_values(base_url: str) -> dict[str, float]:

@@ -1,6 +1,7 @@
 """The typed wire contracts: each shape writes the exact keys (and order) clients and routers have always seen,
 and what one instance writes the next one parses back to the same value."""
 
+import dataclasses
 import subprocess
 import sys
 
@@ -27,6 +28,8 @@ def test_p_pull_answer_keeps_vllm_order_and_parses_back():
     assert wire["remote_block_ids"] == [[3, 4]]
     assert parse_kv_params(wire, max_blocks=8) == pull()
     assert "transfer_id" not in pull(None).to_wire()
+    bound = dataclasses.replace(pull(), prompt_hash="ab" * 16)  # pdserve's extra goes last; absent when unknown
+    assert list(bound.to_wire())[-1] == "remote_prompt_hash" and parse_kv_params(bound.to_wire(), 8) == bound
 
 
 def test_gateway_legs_parse_back():

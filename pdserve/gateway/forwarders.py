@@ -22,6 +22,7 @@ class Forwarder(ABC):
     scheduling_modes: ClassVar[frozenset[str]]
     roles: ClassVar[tuple[str, ...]]  # which kinds of instance a request needs
     needs_kv_info: ClassVar[bool] = False  # whether the gateway must know P's side channel up front
+    single_prompt: ClassVar[bool] = True  # kv_transfer_params carry one prompt's KV: a prompt list is split
 
     @abstractmethod
     async def run(self, call: Call) -> None:
@@ -32,9 +33,14 @@ class Forwarder(ABC):
 
 
 def prefill_body(body: dict[str, Any], transfer_id: TransferId, push: bool = False) -> dict[str, Any]:
-    """vLLM NIXL's prefill leg: one token, no stream, no min_tokens, and a request to hold the KV (or push it)."""
+    """vLLM NIXL's prefill leg: one token, no stream, no min_tokens, and a request to hold the KV (or push it).
+
+    One sample too: P prefills the prompt once, and D draws the n samples from the same KV.
+    """
     out = {k: v for k, v in body.items() if k not in _PREFILL_DROPPED}
     out["max_tokens"] = 1
+    if "n" in body:
+        out["n"] = 1
     if "max_completion_tokens" in body:
         out["max_completion_tokens"] = 1
     out["stream"] = False
@@ -59,6 +65,7 @@ class Colocated(Forwarder):
     dispatch = "single"
     scheduling_modes = frozenset({"batch", "staged"})
     roles = ("both",)
+    single_prompt = False  # the instance answers a prompt list itself
 
     async def run(self, call: Call) -> None:
         await call.relay("colocated", call.pick("both"), call.body)

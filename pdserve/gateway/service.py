@@ -16,6 +16,7 @@ from pdserve.gateway.encode import EncodeFanout
 from pdserve.gateway.forwarders import make_forwarder
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.policies import NoInstanceError, make_policy
+from pdserve.gateway.prompt_list import PromptListMerger, split_prompts
 from pdserve.gateway.registry import Instance, Registry
 from pdserve.ids import TransferId
 from pdserve.net.http_client import HttpClient, UpstreamError, UpstreamTimeout
@@ -123,6 +124,12 @@ class Gateway:
     # -- one client request ---------------------------------------------------------------------------------
     async def handle(self, path: str, body: dict[str, Any], request_id: str, send: Any,
                      traceparent: str | None = None) -> None:
+        parts = split_prompts(body) if self.forwarder.single_prompt else None
+        if parts is not None:
+            n = body.get("n") if isinstance(body.get("n"), int) and body["n"] > 0 else 1
+            merger = PromptListMerger(request_id, send, n, stream=bool(body.get("stream")))
+            await merger.run(lambda part, rid, part_send: self.handle(path, part, rid, part_send, traceparent), parts)
+            return
         timeline = self.timelines.start(request_id, "gateway", traceparent=traceparent)
         call = Call(self, path, body, request_id, send, stream=bool(body.get("stream")), timeline=timeline)
         outcome = "error"

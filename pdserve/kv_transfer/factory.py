@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import msgspec
 import torch
@@ -26,9 +27,10 @@ from pdserve.kv_transfer.data_plane import DataPlane, make_data_plane
 from pdserve.kv_transfer.decode_first import DecodeFirstClient
 from pdserve.kv_transfer.faults import FaultConfig, resolve_fault_config
 from pdserve.kv_transfer.messages import PROTOCOL_VERSION
-from pdserve.kv_transfer.params import (DecodeFirst, KVParamsError, KVTransferParams, RemotePrefill, parse_kv_params,
-                                        parse_release)
+from pdserve.kv_transfer.params import (DecodeFirst, KVParamsError, KVTransferParams, RemoteDecode, RemotePrefill,
+                                        parse_kv_params, parse_release)
 from pdserve.kv_transfer.pd_connector import PdConnectorScheduler, PdConnectorWorker, ProducerIdentity
+from pdserve.kv_transfer.peer_policy import PeerNotAllowed, PeerPolicy
 from pdserve.models.config import ModelSpec
 from pdserve.models.loader import checkpoint_files
 from pdserve.utils import cdiv
@@ -79,17 +81,34 @@ class ConnectorBundle:
         except KVParamsError as exc:
             raise KVParamsRejected(str(exc)) from exc
 
-    def check_request_params(self, parsed: KVTransferParams, num_sequences: int) -> None:
-        if num_sequences > 1:
-            self.reject(parsed, "n > 1 or batched prompts")
-            raise KVParamsRejected("kv_transfer_params need a single prompt with n = 1")
+    def check_request_params(self, parsed: KVTransferParams, num_prompts: int, n: int) -> None:
+        """One transfer is one prompt's KV. A decode request may sample it n times (the samples share the blocks);
+        a prefill leg prefills once, so it takes n = 1 (routers send P one token, whatever the client asked)."""
+        if num_prompts > 1:
+            self.reject(parsed, "a list of prompts")
+            raise KVParamsRejected("kv_transfer_params belong to a single prompt: send one request per prompt")
+        if n > 1 and isinstance(parsed, RemoteDecode):
+            raise KVParamsRejected("a prefill request (do_remote_decode) prefills once: it takes n = 1")
 
     async def prepare_request_params(self, parsed: KVTransferParams, prompt_token_ids: list[int]
                                      ) -> KVTransferParams | None:
-        """Decode-first: ask the named prefill instance to prefill (and hold) this prompt, then pull from it."""
-        if not isinstance(parsed, DecodeFirst):
-            return parsed
-        return await self.decode_first.prefill(parsed, prompt_token_ids, self.max_blocks)
+        """Decode-first: ask the named prefill instance to prefill (and hold) this prompt, then pull from it.
+
+        Every peer the params name is checked against allowed_peers here, before anything is dialled or
+        allocated: a refused one is a 400, never a connection attempt (or its retries) to wherever it points.
+        """
+        if isinstance(parsed, DecodeFirst):
+            await self._check_peer(urlsplit(parsed.prefill_url).hostname or "", "remote_prefill_url")
+            parsed = await self.decode_first.prefill(parsed, prompt_token_ids, self.max_blocks)
+        if isinstance(parsed, RemotePrefill):
+            await self._check_peer(parsed.host, "remote_host")
+        return parsed
+
+    async def _check_peer(self, host: str, key: str) -> None:
+        try:
+            await self.agent.config.peers.check(host)
+        except PeerNotAllowed as exc:
+            raise KVParamsRejected(f"kv_transfer_params.{key}: {exc}") from exc
 
     def release_local(self, body: Any) -> bool:
         """`POST /v1/kv/release` on a producer: free held KV by (remote_request_id, token) or by transfer_id."""
@@ -173,7 +192,8 @@ Builder = Callable[[EngineConfig, ModelSpec], ConnectorBundle]
 
 EXTRA_CONFIG_KEYS = frozenset({
     "data_plane", "side_channel_host", "side_channel_port", "kv_lease_duration", "kv_load_timeout", "message_timeout",
-    "handshake_timeout", "push_registration_timeout", "capture_messages", "fault_injection", "fault_injection_api"})
+    "handshake_timeout", "push_registration_timeout", "capture_messages", "fault_injection", "fault_injection_api",
+    "allowed_peers"})
 
 
 def build_pd_connector(config: EngineConfig, model: ModelSpec) -> ConnectorBundle:
@@ -196,11 +216,14 @@ def build_pd_connector(config: EngineConfig, model: ModelSpec) -> ConnectorBundl
         handshake_timeout_s=float(extra.get("handshake_timeout", 5.0)),
         push_timeout_s=float(extra.get("push_registration_timeout", 60.0)),
         capture_path=extra.get("capture_messages") or os.environ.get("PDSERVE_CAPTURE_MESSAGES"),
-        preferred_plane=preferred, planes=planes, faults=resolve_fault_config(extra)))
+        preferred_plane=preferred, planes=planes, faults=resolve_fault_config(extra),
+        peers=PeerPolicy.from_config(extra.get("allowed_peers"))))
     max_blocks = cdiv(model.max_model_len, config.block_size)
-    scheduler = PdConnectorScheduler(config.block_size, load_timeout_s=agent.config.load_timeout_s)
+    policy = str(kv_cfg.get("kv_load_failure_policy", "recompute"))
+    scheduler = PdConnectorScheduler(config.block_size, load_timeout_s=agent.config.load_timeout_s,
+                                     load_failure_policy=policy)
     worker = PdConnectorWorker(agent, config.block_size, push_timeout_s=agent.config.push_timeout_s,
-                               unregistered_timeout_s=agent.config.lease_s)
+                               unregistered_timeout_s=agent.config.lease_s, load_failure_policy=policy)
     return ConnectorBundle(scheduler=scheduler, worker=worker, agent=agent, planes=planes,
                            engine_id=engine_id, max_blocks=max_blocks, pool_owner=plane_names[0],
                            fault_api=bool(extra.get("fault_injection_api", os.environ.get("PDSERVE_FAULTS_API"))))

@@ -84,6 +84,7 @@ class PushRegister(Message, tag="push_register"):
     consumer_host: str
     consumer_port: int
     token: str
+    prompt_hash: str = ""  # the consumer's prompt; empty from a consumer that does not say
 
 
 class WriteDone(Message, tag="write_done"):
@@ -92,7 +93,9 @@ class WriteDone(Message, tag="write_done"):
     ok: bool = True
     error: str = ""
     checksums: list[int] = []  # of the producer's blocks, in registration order, once all writes landed
-    refusal: str = ""  # "denied": the producer never had this transfer (forged or stale parameters)
+    # "denied": the producer never had this transfer (forged or stale parameters); "prompt_mismatch": its KV
+    # belongs to another prompt (the consumer recomputes or fails, as its kv_load_failure_policy says).
+    refusal: str = ""
 
 
 class ECFetch(Message, tag="ec_fetch"):

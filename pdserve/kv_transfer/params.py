@@ -4,8 +4,9 @@ Fields as vLLM's NIXL connector shapes them: a prefill leg carries ``{"do_remote
 the params a decode leg needs: ``do_remote_prefill``, ``remote_block_ids`` (a list per KV group),
 ``remote_engine_id``, ``remote_request_id`` (P's own internal id), ``remote_host``, ``remote_port`` (P's side
 channel) and ``tp_size``. pdserve adds ``transfer_id`` (the gateway's, shared by every leg), ``transfer_token``
-(the read capability), ``transfer_mode`` (pull or push), ``remote_num_tokens``, ``remote_prefill_cached_tokens``
-and, for decode-first, ``remote_prefill_url``. Routers pass unknown keys through.
+(the read capability), ``transfer_mode`` (pull or push), ``remote_num_tokens``, ``remote_prefill_cached_tokens``,
+``remote_prompt_hash`` (which prompt the KV belongs to) and, for decode-first, ``remote_prefill_url``. Routers pass
+unknown keys through.
 
 A body's dict is parsed here once, where the server reads the request, and only these types travel below that.
 Each type writes its own wire dict (`to_wire`), so every producer of the wire form (the instance's answers, the
@@ -15,14 +16,25 @@ the gateway uses it.
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from pdserve.ids import TransferId
 
 
 class KVParamsError(ValueError):
     """Unusable kv_transfer_params; the server answers 400."""
+
+
+def prompt_hash(token_ids: Iterable[int], mm_hashes: Iterable[tuple[int, str]] = ()) -> str:
+    """Names the prompt a transfer's KV belongs to: its token ids and its media items (offset, mm_hash), since
+    two prompts with the same placeholder tokens but different images have different KV. Producer and consumer
+    each compute it from their own request; a transfer between different prompts is refused."""
+    return hashlib.blake2b(msgspec.msgpack.encode([list(token_ids), list(mm_hashes)]), digest_size=16).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +66,7 @@ class RemotePrefill:
     mode: str  # "pull" or "push"
     num_tokens: int | None = None
     cached_tokens: int | None = None  # P's own prefix-cache hits, which D reports as the request's cached tokens
+    prompt_hash: str | None = None  # `prompt_hash` of the prompt whose KV P holds (pull); None: not told
 
     def to_wire(self) -> dict[str, Any]:
         """Pull: what P answers after holding the KV. Push: what the gateway sends D (P's side channel)."""
@@ -70,6 +83,8 @@ class RemotePrefill:
         }
         if self.transfer_id is not None:
             wire["transfer_id"] = self.transfer_id
+        if self.prompt_hash is not None:
+            wire["remote_prompt_hash"] = self.prompt_hash
         return wire
 
 
@@ -203,6 +218,7 @@ def _remote_prefill(params: dict[str, Any], transfer_id: TransferId | None, max_
         mode=mode,
         num_tokens=num_tokens,
         cached_tokens=cached if isinstance(cached, int) else None,
+        prompt_hash=_text(params, "remote_prompt_hash", required=False),
     )
 
 

@@ -18,7 +18,7 @@ from pdserve.engine.request import Request, RequestStatus
 from pdserve.ids import ReqId, TransferId
 from pdserve.kv_transfer.agent import TransferAgent
 from pdserve.kv_transfer.base import KVConnectorMetadata, KVConnectorScheduler, KVConnectorWorker
-from pdserve.kv_transfer.params import KVHandOff, PushHeld, RemoteDecode, RemotePrefill
+from pdserve.kv_transfer.params import KVHandOff, PushHeld, RemoteDecode, RemotePrefill, prompt_hash
 from pdserve.kv_transfer.pull_consumer import LoadJob
 from pdserve.kv_transfer.push import PushChunk, PushEnded, PushProducer, PushRegistration
 from pdserve.kv_transfer.translator import TransferMap
@@ -28,6 +28,17 @@ log = logging.getLogger(__name__)
 
 # P finished its one token and hands the prompt's KV over (vLLM also accepts a stop on that token).
 _HANDOFF_STATUSES = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+PROMPT_MISMATCH = ("KV transfer refused: the prefill instance's KV belongs to a different prompt than this request's "
+                   "(the prefill and decode requests were paired wrongly)")
+
+
+def _transfer_key(parsed: RemotePrefill) -> tuple[str, int, str | None]:
+    """The samples of one request share their transfer: the same P and the same key on it."""
+    return parsed.host, parsed.port, parsed.remote_key or parsed.transfer_id
+
+
+def _prompt_hash(request: Request) -> str:
+    return prompt_hash(request.prompt_token_ids, [(m.offset, m.mm_hash) for m in request.mm_items])
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,11 +88,17 @@ class ProducerIdentity:
 
 
 class PdConnectorScheduler(KVConnectorScheduler):
-    def __init__(self, block_size: int, load_timeout_s: float = 60.0) -> None:
+    def __init__(self, block_size: int, load_timeout_s: float = 60.0, load_failure_policy: str = "recompute") -> None:
         self.block_size = block_size
         self.load_timeout_s = load_timeout_s
+        self.load_failure_policy = load_failure_policy
         self.identity: ProducerIdentity | None = None
         self._parsed: dict[ReqId, RemoteDecode | RemotePrefill] = {}
+        self._hashes: dict[ReqId, str] = {}  # the prompt each transferring request's KV belongs to
+        # n > 1 on a decode instance: the first sample (the leader) loads the prompt's KV once; the others wait
+        # for it, then find the prompt's blocks in the prefix cache.
+        self._leaders: dict[tuple[str, int, str | None], Request] = {}
+        self._followers: dict[ReqId, Request] = {}
         self._pending: PdConnectorMetadata = PdConnectorMetadata()
         self._allocated: set[ReqId] = set()  # consumer requests whose load was planned
         self._loading: set[ReqId] = set()  # loads handed to the worker and not finished
@@ -92,7 +109,14 @@ class PdConnectorScheduler(KVConnectorScheduler):
         parsed = request.kv_transfer_params  # parsed and validated where the server read the request
         if parsed is None:
             return
+        if isinstance(parsed, RemotePrefill):
+            leader = self._leaders.get(_transfer_key(parsed))
+            if leader is not None and not leader.is_finished:
+                self._followers[request.request_id] = leader
+                return
+            self._leaders[_transfer_key(parsed)] = request
         self._parsed[request.request_id] = parsed
+        self._hashes[request.request_id] = _prompt_hash(request)
         if isinstance(parsed, RemotePrefill) and parsed.mode == "pull":
             self._pending.watch.append(WatchSpec(parsed.host, parsed.port, parsed.remote_key))
 
@@ -101,9 +125,18 @@ class PdConnectorScheduler(KVConnectorScheduler):
         return errors
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        leader = self._followers.get(request.request_id)
+        if leader is not None:
+            loading = leader.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            if not leader.is_finished and (loading or leader.num_computed_tokens < leader.num_prompt_tokens - 1):
+                return None, False  # the prompt's KV is not in this instance yet: wait for the leader
+            del self._followers[request.request_id]
+            return 0, False  # from here on an ordinary request: its prompt is in the prefix cache
         parsed = self._parsed.get(request.request_id)
         if not isinstance(parsed, RemotePrefill) or request.request_id in self._allocated:
             return 0, False
+        if parsed.prompt_hash is not None and parsed.prompt_hash != self._hashes.get(request.request_id):
+            return self._refuse_other_prompt(request, parsed)
         if parsed.block_ids is not None and len(parsed.block_ids) < cdiv(request.num_prompt_tokens, self.block_size):
             self._errors[request.request_id] = (
                 f"the remote KV covers {len(parsed.block_ids)} blocks but the prompt needs "
@@ -111,6 +144,19 @@ class PdConnectorScheduler(KVConnectorScheduler):
             return None, False
         remaining = request.num_prompt_tokens - num_computed_tokens
         return (remaining, True) if remaining > 0 else (0, False)
+
+    def _refuse_other_prompt(self, request: Request, parsed: RemotePrefill) -> tuple[int | None, bool]:
+        """P's KV is another prompt's: never load it. P frees it now; this request computes its own prompt
+        (recompute) or ends with a clear error (fail)."""
+        rid = request.request_id
+        del self._parsed[rid]
+        self._forget_leader(request, parsed)
+        self._pending.unwatch.append(WatchSpec(parsed.host, parsed.port, parsed.remote_key))
+        self._release(parsed, "the decode request's prompt differs from the transfer's")
+        if self.load_failure_policy == "fail":
+            self._errors[rid] = PROMPT_MISMATCH
+            return None, False
+        return 0, False
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
         parsed = self._parsed.get(request.request_id)
@@ -127,7 +173,8 @@ class PdConnectorScheduler(KVConnectorScheduler):
             self._pending.pushes.append(PushRegistration(
                 request_id=request.request_id, transfer_id=parsed.transfer_id, host=parsed.host,
                 port=parsed.port, engine_id=parsed.engine_id, first_block=first, block_ids=tuple(needed),
-                num_tokens=request.num_prompt_tokens, token=secrets.token_hex(16)))
+                num_tokens=request.num_prompt_tokens, token=secrets.token_hex(16),
+                prompt_hash=self._hashes.get(request.request_id, "")))
             return
         remote = parsed.block_ids[first:cdiv(request.num_prompt_tokens, self.block_size)]
         self._pending.loads.append(LoadJob(
@@ -147,7 +194,8 @@ class PdConnectorScheduler(KVConnectorScheduler):
             if isinstance(parsed, RemoteDecode) and parsed.push:
                 meta.push_chunks.append(PushChunk(
                     item.request_id, parsed.transfer_id, tuple(item.block_ids), item.start_position,
-                    item.start_position + len(item.token_ids), last=item.sample))
+                    item.start_position + len(item.token_ids), last=item.sample,
+                    prompt_hash=self._hashes.get(item.request_id, "")))
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
@@ -161,13 +209,16 @@ class PdConnectorScheduler(KVConnectorScheduler):
     # -- endings --------------------------------------------------------------------------------------------
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, KVHandOff | None]:
         rid = request.request_id
+        self._followers.pop(rid, None)
         parsed = self._parsed.pop(rid, None)
+        hashed = self._hashes.pop(rid, "")
+        self._forget_leader(request, parsed)
         was_planned = rid in self._allocated
         self._allocated.discard(rid)
         if isinstance(parsed, RemoteDecode):
             if parsed.push:
-                return self._push_ended(request, block_ids, parsed)
-            return self._hand_off(request, block_ids, parsed)
+                return self._push_ended(request, block_ids, parsed, hashed)
+            return self._hand_off(request, block_ids, parsed, hashed)
         if isinstance(parsed, RemotePrefill) and parsed.mode == "push":
             return self._push_consumer_ended(request, parsed, was_planned)
         if not isinstance(parsed, RemotePrefill):
@@ -185,7 +236,7 @@ class PdConnectorScheduler(KVConnectorScheduler):
             self._release(parsed, "decode request ended before its KV was loaded")
         return False, None
 
-    def _hand_off(self, request: Request, block_ids: list[int], parsed: RemoteDecode
+    def _hand_off(self, request: Request, block_ids: list[int], parsed: RemoteDecode, hashed: str
                   ) -> tuple[bool, RemotePrefill | None]:
         if request.status not in _HANDOFF_STATUSES or not block_ids or self.identity is None:
             return False, None
@@ -196,14 +247,14 @@ class PdConnectorScheduler(KVConnectorScheduler):
         return True, RemotePrefill(
             engine_id=self.identity.engine_id, host=self.identity.host, port=self.identity.port,
             remote_key=request.request_id, block_ids=held, token=token, transfer_id=parsed.transfer_id, mode="pull",
-            num_tokens=request.num_prompt_tokens, cached_tokens=max(request.num_cached_tokens, 0))
+            num_tokens=request.num_prompt_tokens, cached_tokens=max(request.num_cached_tokens, 0), prompt_hash=hashed)
 
-    def _push_ended(self, request: Request, block_ids: list[int], parsed: RemoteDecode
+    def _push_ended(self, request: Request, block_ids: list[int], parsed: RemoteDecode, hashed: str
                     ) -> tuple[bool, PushHeld | None]:
         handed_off = request.status in _HANDOFF_STATUSES and bool(block_ids)
         held = tuple(block_ids[:cdiv(request.num_prompt_tokens, self.block_size)])
         self._pending.push_ended.append(PushEnded(request.request_id, parsed.transfer_id, held,
-                                                  request.num_prompt_tokens, handed_off))
+                                                  request.num_prompt_tokens, handed_off, hashed))
         if not handed_off:
             return False, None
         # Held until the push completes, D gives up, or no D registers within the deadline.
@@ -223,6 +274,10 @@ class PdConnectorScheduler(KVConnectorScheduler):
                                                       "decode request ended before registering"))
         return False, None
 
+    def _forget_leader(self, request: Request, parsed: RemoteDecode | RemotePrefill | None) -> None:
+        if isinstance(parsed, RemotePrefill) and self._leaders.get(_transfer_key(parsed)) is request:
+            del self._leaders[_transfer_key(parsed)]
+
     def _release(self, parsed: RemotePrefill, reason: str) -> None:
         if parsed.remote_key is not None:
             self._pending.releases.append(ReleaseSpec(parsed.host, parsed.port, parsed.remote_key, parsed.token or "",
@@ -234,8 +289,9 @@ class PdConnectorWorker(KVConnectorWorker):
     collects what finished for the engine."""
 
     def __init__(self, agent: TransferAgent, block_size: int, push_timeout_s: float = 60.0,
-                 unregistered_timeout_s: float = 30.0) -> None:
+                 unregistered_timeout_s: float = 30.0, load_failure_policy: str = "recompute") -> None:
         self.agent = agent
+        self.load_failure_policy = load_failure_policy
         self.block_size = block_size
         self.push_timeout_s = push_timeout_s
         self.unregistered_timeout_s = unregistered_timeout_s
@@ -310,6 +366,8 @@ class PdConnectorWorker(KVConnectorWorker):
                                                               result.plane, result.ok)
             if result.fatal:
                 self._refused[result.request_id] = f"KV transfer refused by the prefill instance: {result.error}"
+            elif result.mismatch and self.load_failure_policy == "fail":
+                self._refused[result.request_id] = PROMPT_MISMATCH
             elif not result.ok:
                 self._failed.add(result.request_id)
         return sending, recving

@@ -18,6 +18,7 @@ from pdserve.kv_transfer.data_plane import DataPlaneError, PeerChannel
 from pdserve.kv_transfer.data_plane.shm import host_identity
 from pdserve.kv_transfer.faults import FaultInjector
 from pdserve.kv_transfer.messages import Handshake, HandshakeReply, Message, Release
+from pdserve.kv_transfer.peer_policy import PeerNotAllowed
 from pdserve.kv_transfer.runtime import AgentRuntime
 from pdserve.kv_transfer.side_channel import Capture, SideChannelClient
 
@@ -53,6 +54,7 @@ class Peers:
         self._clients: dict[Address, SideChannelClient] = {}
         self._peers: dict[Address, Peer] = {}
         self._locks: dict[Address, asyncio.Lock] = {}
+        self._allowed: set[str] = set()  # hosts that passed the allow-list (a name is resolved once)
 
     def start(self, ctx: zmq.asyncio.Context) -> None:
         self._ctx = ctx
@@ -72,7 +74,7 @@ class Peers:
                                       f"{expected_engine_id} named by the transfer parameters", "denied")
             return peer
 
-    def client(self, host: str, port: int) -> SideChannelClient:
+    def _client(self, host: str, port: int) -> SideChannelClient:
         """The control connection to a peer; messages on it need no handshake (a release must always get through)."""
         address = (host, port)
         client = self._clients.get(address)
@@ -80,9 +82,20 @@ class Peers:
             client = self._clients[address] = SideChannelClient(self._ctx, host, port, self.rt.faults, self.capture)
         return client
 
+    async def _allowed_client(self, host: str, port: int) -> SideChannelClient:
+        """The control connection, once `host` passed the allow-list: every dial to a peer starts here."""
+        if host not in self._allowed:
+            try:
+                await self.rt.config.peers.check(host)
+            except PeerNotAllowed as exc:
+                raise TransferRefused(str(exc), "denied") from exc
+            self._allowed.add(host)
+        return self._client(host, port)
+
     async def request(self, host: str, port: int, message: Message) -> Message:
         """One request on the control connection, with the agent's message deadline."""
-        return await self.client(host, port).request(message, self.rt.config.message_timeout_s)
+        client = await self._allowed_client(host, port)
+        return await client.request(message, self.rt.config.message_timeout_s)
 
     async def release(self, host: str, port: int, key: str, token: str, reason: str) -> None:
         """Ask a producer to free a transfer now. Best effort: its lease (or deadline) is the backstop."""
@@ -100,7 +113,8 @@ class Peers:
 
     async def _handshake_with(self, host: str, port: int) -> Peer:
         config = self.rt.config
-        reply = await self.client(host, port).request(
+        client = await self._allowed_client(host, port)
+        reply = await client.request(
             Handshake(engine_id=config.engine_id, compat_hash=config.compat_hash), config.handshake_timeout_s)
         if not isinstance(reply, HandshakeReply):
             raise DataPlaneError(f"unexpected handshake reply from {host}:{port}: {reply}")

@@ -18,6 +18,7 @@ import torch
 from pdserve.ids import ReqId
 from pdserve.kv_transfer.data_plane import DataPlane
 from pdserve.kv_transfer.faults import FaultConfig, FaultInjector
+from pdserve.kv_transfer.peer_policy import PeerPolicy
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ class AgentConfig:
     preferred_plane: str = "auto"  # "auto" picks shm when the peer shares this host
     planes: dict[str, DataPlane] = field(default_factory=dict)
     faults: FaultConfig = field(default_factory=FaultConfig)
+    peers: PeerPolicy = field(default_factory=lambda: PeerPolicy.from_config(None))  # whom we may dial
 
 
 @dataclass(slots=True)
@@ -72,6 +74,7 @@ class LoadResult:
     seconds: float = 0.0
     invalid_blocks: list[int] = field(default_factory=list)  # local blocks that arrived damaged
     fatal: bool = False  # refused as never granted: the request must fail whatever the policy
+    mismatch: bool = False  # refused because the producer's KV belongs to another prompt
     plane: str = ""  # the data plane the bytes came over ("" if none was reached)
     started_at: float = 0.0  # time.monotonic() when the transfer began (load submitted, push registered)
 

@@ -17,8 +17,8 @@ class KVRequestParams(Protocol):
     def parse_request_params(self, params: Any) -> KVTransferParams | None:
         """The body's params as types (None for an ordinary request); raises ValueError if malformed."""
 
-    def check_request_params(self, parsed: KVTransferParams, num_sequences: int) -> None:
-        """Raises ValueError if this request cannot carry them (e.g. n > 1)."""
+    def check_request_params(self, parsed: KVTransferParams, num_prompts: int, n: int) -> None:
+        """Raises ValueError if this request cannot carry them (e.g. a list of prompts)."""
 
     async def prepare_request_params(self, parsed: KVTransferParams, prompt_token_ids: list[int]
                                      ) -> RemoteDecode | RemotePrefill | None:
@@ -49,7 +49,7 @@ class KVAdmission:
         except ValueError as exc:
             return ParsedKV(error=str(exc))
 
-    async def admit(self, kv: ParsedKV, num_sequences: int, prompt_token_ids: list[int]
+    async def admit(self, kv: ParsedKV, num_prompts: int, n: int, prompt_token_ids: list[int]
                     ) -> RemoteDecode | RemotePrefill | None:
         """What the engine gets; raises the 400 for params that are malformed or unusable for this request."""
         if kv.parsed is None and kv.error is None:
@@ -57,7 +57,7 @@ class KVAdmission:
         try:
             if kv.error is not None:
                 raise ValueError(kv.error)
-            self.connectors.check_request_params(kv.parsed, num_sequences)
+            self.connectors.check_request_params(kv.parsed, num_prompts, n)
             return await self.connectors.prepare_request_params(kv.parsed, prompt_token_ids)
         except ValueError as exc:
             raise bad_request(str(exc), "kv_transfer_params") from exc

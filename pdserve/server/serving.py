@@ -176,7 +176,7 @@ class OpenAIServing:
     # -- running ----------------------------------------------------------------------------------------
     async def _run(self, kind: str, body: Any, kv: ParsedKV, origin: Origin, prompts: list[_Prompt],
                    params: list[SamplingParams], headers: dict[str, str] | None) -> dict | AsyncIterator[bytes]:
-        kv_params = await self.kv.admit(kv, len(prompts) * params[0].n, prompts[0].token_ids)
+        kv_params = await self.kv.admit(kv, len(prompts), params[0].n, prompts[0].token_ids)
         response_id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{origin.request_id}"
         sequences: list[_Sequence] = []
         streams: list[AsyncIterator[RequestOutput]] = []

@@ -61,7 +61,8 @@ class PushConsumer:
                                       now + timeout_s, now)
         register = PushRegister(transfer_id=r.transfer_id, block_ids=list(r.block_ids), first_block=r.first_block,
                                 num_tokens=r.num_tokens, consumer_engine_id=self.rt.config.engine_id,
-                                consumer_host=self.rt.config.host, consumer_port=self.rt.port, token=r.token)
+                                consumer_host=self.rt.config.host, consumer_port=self.rt.port, token=r.token,
+                                prompt_hash=r.prompt_hash)
         with self._lock:
             self._expected[expectation.transfer_id] = expectation
         self.rt.call(self._register(expectation, register))
@@ -136,11 +137,12 @@ class PushConsumer:
             invalid = await self.rt.off_loop(invalid_blocks, self.rt.pool, list(expectation.block_ids),
                                              message.checksums)
             self.rt.stats.blocks_invalid += len(invalid)
-        self._complete(message.transfer_id, message.ok, message.error, invalid, fatal=message.refusal == "denied")
+        self._complete(message.transfer_id, message.ok, message.error, invalid, fatal=message.refusal == "denied",
+                       mismatch=message.refusal == "prompt_mismatch")
         return Ack(ok=True)
 
     def _complete(self, transfer_id: TransferId, ok: bool, error: str = "", invalid: list[int] | None = None,
-                  fatal: bool = False) -> None:
+                  fatal: bool = False, mismatch: bool = False) -> None:
         with self._lock:
             expectation = self._expected.pop(transfer_id, None)
             if expectation is None:
@@ -149,7 +151,7 @@ class PushConsumer:
             # P wrote every registered block when its write-done says ok
             block_bytes = self.rt.pool[0].numel() * self.rt.pool.element_size()
             self._completed.append(LoadResult(
-                expectation.request_id, ok=ok, error=error, fatal=fatal and not ok,
+                expectation.request_id, ok=ok, error=error, fatal=fatal and not ok, mismatch=mismatch and not ok,
                 invalid_blocks=list(invalid or ()) if ok else [], plane=expectation.plane,
                 started_at=expectation.started_at, seconds=time.monotonic() - expectation.started_at,
                 nbytes=len(expectation.block_ids) * block_bytes if ok else 0))

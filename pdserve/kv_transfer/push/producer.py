@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 class _Source:
     request_id: ReqId
     transfer_id: TransferId
+    prompt_hash: str = ""
     block_ids: tuple[int, ...] = ()
     computed: int = 0  # prompt tokens whose KV exists on P
     registration: PushRegister | None = None
@@ -65,7 +66,7 @@ class PushProducer:
     # -- per step --------------------------------------------------------------------------------------------
     def bind(self, chunks: list[PushChunk], ended: list[PushEnded]) -> None:
         for chunk in chunks:
-            source = self._source(chunk.request_id, chunk.transfer_id)
+            source = self._source(chunk.request_id, chunk.transfer_id, chunk.prompt_hash)
             source.block_ids = chunk.block_ids
             if source.computed < chunk.start:
                 # Tokens before this chunk came from P's prefix cache: no layer write covers them, so they are
@@ -75,17 +76,17 @@ class PushProducer:
                 source.computed = chunk.start
         self._step = list(chunks)
         for end in ended:
-            source = self._source(end.request_id, end.transfer_id)
+            source = self._source(end.request_id, end.transfer_id, end.prompt_hash)
             source.block_ids, source.computed = end.block_ids, end.num_tokens
             source.finished, source.handed_off = True, end.handed_off
             source.deadline = time.monotonic() + self.unregistered_timeout_s
             if not end.handed_off and source.registration is not None and not source.done_submitted:
                 self._submit_done(source, ok=False, error="the prefill request ended without its KV")
 
-    def _source(self, request_id: ReqId, transfer_id: TransferId) -> _Source:
+    def _source(self, request_id: ReqId, transfer_id: TransferId, prompt_hash: str) -> _Source:
         source = self.sources.get(transfer_id)
         if source is None:
-            source = self.sources[transfer_id] = _Source(request_id, transfer_id)
+            source = self.sources[transfer_id] = _Source(request_id, transfer_id, prompt_hash)
             self.translator.add(transfer_id, request_id)
             orphan = self._orphans.pop(transfer_id, None)
             if orphan is not None:
@@ -125,6 +126,12 @@ class PushProducer:
     def _attach(self, source: _Source, registration: PushRegister) -> None:
         if source.registration is not None:
             return  # a duplicated registration message
+        if registration.prompt_hash and source.prompt_hash and registration.prompt_hash != source.prompt_hash:
+            # Legs of two different requests were paired: our KV would give D a wrong answer. Freed once ours ends.
+            source.released = True
+            self.link.send_write_done(registration, ok=False, refusal="prompt_mismatch",
+                                      error="the transfer's KV belongs to a different prompt than the decode request's")
+            return
         source.registration = registration
         if source.computed > 0:
             self._write(source, 0, source.computed, layer=None)  # catch up on what was computed before

@@ -17,6 +17,7 @@ class PushChunk:
     start: int
     end: int
     last: bool  # the prompt is complete after this chunk
+    prompt_hash: str = ""  # which prompt this KV belongs to: a registration for another prompt is refused
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +29,7 @@ class PushEnded:
     block_ids: tuple[int, ...]
     num_tokens: int
     handed_off: bool
+    prompt_hash: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,3 +45,4 @@ class PushRegistration:
     block_ids: tuple[int, ...]
     num_tokens: int
     token: str
+    prompt_hash: str = ""  # D's prompt: P refuses to write KV computed for another one
