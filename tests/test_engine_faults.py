@@ -49,6 +49,7 @@ def test_failed_step_fails_its_requests_and_the_engine_serves_on(faulty):
     again = _greedy(faulty.url, [1, 2, 3])
     assert again.status_code == 200, again.text
     assert again.json()["choices"][0]["token_ids"] == reference.json()["choices"][0]["token_ids"]
+    assert faulty.log_tail(1_000_000).count("Traceback") == 1  # logged once, where it happened
 
 
 def test_failed_step_ends_a_stream_with_an_error_event(faulty):

@@ -27,4 +27,5 @@ chat_completions
 prometheus
 not_found
 not_allowed
-internal
+# pydantic field validators, registered by their decorators.
+_prompt_not_empty
