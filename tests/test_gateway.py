@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.gateway.policies import LeastLoaded, PrefixAware
 from pdserve.gateway.registry import Instance
@@ -268,7 +269,7 @@ def test_pull_speaks_vllm_wire_format(recorded):
 def test_decode_failure_releases_prefill_kv_and_retries_fresh(cluster, recorded):
     """D refuses (503) after P has prefilled: P's KV is freed at once by message; retries get a new transfer_id."""
     start_fake, received = recorded
-    bad_d = start_fake("D", "--fail-status", "503")
+    bad_d = start_fake("D", "--fail-status", "503", "--kind", "pdserve")
     g = gateway("--prefill", cluster["P1"].url, "--decode", bad_d.url, "--retries", "1")
     try:
         before = metric_values(cluster["P1"].url)
@@ -281,6 +282,26 @@ def test_decode_failure_releases_prefill_kv_and_retries_fresh(cluster, recorded)
         assert len(received("D")) == 2 and len(transfer_ids) == 2  # one retry, each attempt its own transfer_id
     finally:
         g.stop()
+
+
+def test_no_release_is_sent_to_vllm_nor_counted(recorded):
+    """vLLM has no endpoint to free held KV (its lease frees it): when D refuses, the gateway sends vLLM P no
+    release, counts none as made, counts each as not made with the reason, and says so once per instance."""
+    start_fake, received = recorded
+    p, bad_d = start_fake("P"), start_fake("D", "--fail-status", "503")
+    g = gateway("--prefill", p.url, "--decode", bad_d.url, "--retries", "1")
+    try:
+        r = httpx.post(g.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=30)
+        assert r.status_code == 503
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for f in text_string_to_metric_families(httpx.get(g.url + "/metrics").text) for s in f.samples}
+        assert samples.get(("pdserve:gateway_kv_releases_total", (("reason", "decode_not_admitted"),)), 0) == 0
+        assert samples[("pdserve:gateway_kv_releases_not_made_total",
+                        (("not_made", "no_release_endpoint"), ("reason", "decode_not_admitted")))] == 2
+        assert g.log_tail(100_000).count("has no endpoint to free held KV") == 1  # once per instance
+    finally:
+        g.stop()  # waits for releases still in flight
+    assert [req["path"] for req in received("P")] == ["/v1/completions"] * 2  # two attempts, no release tried
 
 
 def test_prefill_deadline_gives_504_not_a_hang(recorded):

@@ -28,3 +28,4 @@ prometheus
 not_found
 not_allowed
 internal
+pdserve_info

@@ -102,7 +102,7 @@ def build_app(gateway: Gateway) -> Any:
             if gateway.ready:
                 await _respond(send, 200, b"")
             else:
-                await _error(send, 503, f"no usable {'/'.join(gateway.forwarder.roles)} instances")
+                await _error(send, 503, gateway.unready_reason())
         elif path == "/metrics":
             await _respond(send, 200, gateway.metrics.render(), b"text/plain; version=0.0.4; charset=utf-8")
         elif path == "/v1/models":
