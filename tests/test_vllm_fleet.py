@@ -14,7 +14,6 @@ yet handshaken with the vLLM P.
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -24,7 +23,9 @@ from conftest import random_prompt
 from pdserve.launcher import LaunchError, start, start_instance
 from peers import free_port
 from server_utils import metric_values, toy_proxy
-from vllm_live import start_vllm
+from vllm_live import ready, start_vllm
+
+pytestmark = pytest.mark.vllm
 
 COMMON = ["--max-model-len", "512", "--num-kv-blocks", "128", "--served-model-name", "tiny"]
 # 10 tokens fit one pdserve block (D would handshake with P); 40 need three pdserve blocks but one vLLM block of
@@ -42,19 +43,19 @@ def pd_config(role: str, **extra) -> str:
 @pytest.fixture(scope="module")
 def fleet(models):
     model = models("llama")
-    started = []
+    procs = {}
     try:
-        with ThreadPoolExecutor(2) as pool:  # vLLM starts slowly: both at once
-            futures = [pool.submit(start_vllm, model, role=role, name=name)
-                       for name, role in (("vP", "kv_producer"), ("vD", "kv_consumer"))]
-            for future in futures:
-                started.append(future.result())
+        # vLLM starts slowly: both at once, and the pdserve instances meanwhile.
+        procs["vP"] = start_vllm(model, role="kv_producer", name="vP", wait=False)
+        procs["vD"] = start_vllm(model, role="kv_consumer", name="vD", wait=False)
         for name, config in (("pP", pd_config("kv_producer")), ("pD", pd_config("kv_consumer")),
                              ("pD_fail", pd_config("kv_consumer", kv_load_failure_policy="fail"))):
-            started.append(start_instance(model, *COMMON, "--kv-transfer-config", config, name=name))
-        yield {p.name: p for p in started}
+            procs[name] = start_instance(model, *COMMON, "--kv-transfer-config", config, name=name)
+        ready(procs["vP"])
+        ready(procs["vD"])
+        yield procs
     finally:
-        for proc in started:
+        for proc in procs.values():
             proc.stop()
 
 
@@ -164,13 +165,6 @@ def test_mixed_pool_pairs_like_with_like(fleet, models):
     # Round robin walks both lists by index, so without pairing every request would cross vP with pD, pP with vD.
     g = gateway("--prefill", vp, pp, "--decode", pd, vd, "--policy", "round_robin", "--protocol", "pull")
     try:
-        info = instance_info(g.url)
-        for url in (vp, vd):
-            assert (info[url]["engine"], info[url]["kv_connector"], info[url]["protocols"]) == (
-                "vllm", "NixlConnector", "pull") and info[url]["version"].startswith("0.32")
-        for url in (pp, pd):
-            assert info[url]["engine"] == "pdserve" and info[url]["kv_connector"] == "PdConnector"
-            assert set(info[url]["protocols"].split(",")) == {"decode-first", "pull", "push"}
         expected = {(k, i): colocated(url, p) for k, url in (("vllm", vp), ("pdserve", pp))
                     for i, p in enumerate(MIXED)}
         before_pd, pulled_vd = metric_values(pd), vllm_pulled(vd)
@@ -190,6 +184,13 @@ def test_mixed_pool_pairs_like_with_like(fleet, models):
         for name in ("pdserve:kv_transfer_loads_failed_total", "pdserve:kv_foreign_params_total"):
             assert after_pd[name] == before_pd[name], name
         assert vllm_pulled(vd) - pulled_vd == sum(len(p) for p, used in zip(MIXED, kinds) if used == "vllm")
+        info = instance_info(g.url)
+        for url in (vp, vd):
+            assert (info[url]["engine"], info[url]["kv_connector"], info[url]["protocols"]) == (
+                "vllm", "NixlConnector", "pull") and info[url]["version"].startswith("0.32")
+        for url in (pp, pd):
+            assert info[url]["engine"] == "pdserve" and info[url]["kv_connector"] == "PdConnector"
+            assert set(info[url]["protocols"].split(",")) == {"decode-first", "pull", "push"}
     finally:
         g.stop()
     fleet["vD"].stop()  # at most two vLLM processes at once
