@@ -151,7 +151,8 @@ def test_register_deregister_and_readiness(cluster):
         assert httpx.get(g.url + "/health").status_code == 503  # no pair yet
         r = httpx.post(g.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["code"] == 503
-        httpx.post(g.url + "/register", json={"url": cluster["P1"].url, "role": "prefill"})
+        registered = httpx.post(g.url + "/register", json={"url": cluster["P1"].url, "role": "prefill"}).json()
+        assert registered["kind"].startswith("pdserve ") and "PdConnector" in registered["kind"]  # learned at once
         assert httpx.get(g.url + "/health").status_code == 503  # still no decode instance
         httpx.post(g.url + "/register", json={"url": cluster["D1"].url, "role": "decode"})
         assert httpx.get(g.url + "/health").status_code == 200
