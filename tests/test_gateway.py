@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.gateway.policies import LeastLoaded, PrefixAware
 from pdserve.gateway.registry import Instance
-from pdserve.launcher import start, start_command, start_instance
+from pdserve.launcher import LaunchError, start, start_command, start_instance
 from server_utils import metric_values, sse_events, wait_until_idle
 
 COMMON = ["--max-model-len", "512", "--num-kv-blocks", "192", "--served-model-name", "tiny"]
@@ -303,6 +303,28 @@ def test_no_release_is_sent_to_vllm_nor_counted(recorded):
     finally:
         g.stop()  # waits for releases still in flight
     assert [req["path"] for req in received("P")] == ["/v1/completions"] * 2  # two attempts, no release tried
+
+
+def test_pairs_only_instances_whose_connectors_talk(recorded):
+    """Fakes that describe themselves as vLLM (NixlConnector) or pdserve: round robin walks both lists by index,
+    which would cross them on every request; the gateway pairs like with like, and a pool that cannot serve push
+    at all is refused at startup."""
+    start_fake, received = recorded
+    fakes = {name: start_fake(name, "--kind", kind).url
+             for name, kind in (("vP", "vllm"), ("pP", "pdserve"), ("pD", "pdserve"), ("vD", "vllm"))}
+    g = gateway("--prefill", fakes["vP"], fakes["pP"], "--decode", fakes["pD"], fakes["vD"], "--policy", "round_robin")
+    try:
+        for i in range(4):
+            r = httpx.post(g.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3},
+                           headers={"X-Request-Id": f"r{i}"}, timeout=30)
+            assert r.status_code == 200, r.text
+    finally:
+        g.stop()
+    ids = {name: {req["headers"]["x-request-id"] for req in received(name)} for name in fakes}
+    assert ids["vP"] == ids["vD"] and ids["pP"] == ids["pD"] and len(ids["vP"]) == len(ids["pP"]) == 2
+    with pytest.raises(LaunchError) as startup:
+        gateway("--prefill", fakes["vP"], "--decode", fakes["vD"], "--protocol", "push")
+    assert "can serve the push protocol" in str(startup.value) and "pull only" in str(startup.value)
 
 
 def test_prefill_deadline_gives_504_not_a_hang(recorded):
