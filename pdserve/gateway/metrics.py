@@ -67,8 +67,8 @@ class GatewayMetrics:
                                 registry=r)
         self.cancellations = Counter("pdserve:gateway_cancellations", "Requests the client abandoned, by stage.",
                                      ["stage"], registry=r)
-        self.kv_releases = Counter("pdserve:gateway_kv_releases", "Explicit frees of P's held KV the instance confirmed.",
-                                   ["reason"], registry=r)
+        self.kv_releases = Counter("pdserve:gateway_kv_releases",
+                                   "Explicit frees of P's held KV the instance confirmed.", ["reason"], registry=r)
         self.kv_releases_not_made = Counter(
             "pdserve:gateway_kv_releases_not_made", "Frees of held KV the gateway could not make (the instance's "
             "lease frees it): not_made is no_release_endpoint (vLLM), unreachable or status_<code>.",
