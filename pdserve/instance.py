@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from importlib.metadata import version as pkg_version
 from typing import Any
 
 import msgspec
@@ -13,12 +14,13 @@ from pdserve.config import EngineConfig
 from pdserve.ec_transfer.factory import build_ec_connector
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.kv_transfer.factory import build_connectors
+from pdserve.kv_transfer.factory import DEFAULT_CONNECTOR, build_connectors
 from pdserve.multimodal.media import MediaPolicy
 from pdserve.multimodal.prompt import MultimodalPrompter
 from pdserve.server.app import build_app, json_response
 from pdserve.server.encode_serving import EncodeServing
 from pdserve.server.errors import error_body
+from pdserve.server.info import INFO_PATH, InstanceInfo, protocols_for
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.serving import OpenAIServing
 from pdserve.telemetry.timeline import TimelineStore
@@ -53,8 +55,28 @@ class Instance:
             self.ec.start()
         serving = self._serving()
         metrics = ServerMetrics(self.config.model_name, self.engine.stats, self._extra_metrics(serving))
-        return build_app(self.async_engine, serving, metrics, self._transfer_routes if bundle else None,
-                         self.log_requests)
+        return build_app(self.async_engine, serving, metrics, self._extra_routes, self.log_requests)
+
+    def _extra_routes(self, app: FastAPI) -> None:
+        info = self.info()
+
+        @app.get(INFO_PATH)
+        async def pdserve_info() -> Response:
+            """What this instance is and which PD protocols it takes part in (a gateway reads it on each probe)."""
+            return Response(msgspec.json.encode(info), media_type="application/json")
+
+        if self.connectors is not None:
+            self._transfer_routes(app)
+
+    def info(self) -> InstanceInfo:
+        bundle = self.connectors
+        connector = (self.config.kv_transfer_config.get("kv_connector") or DEFAULT_CONNECTOR) if bundle else None
+        return InstanceInfo(
+            engine_version=pkg_version("pdserve"), role=self.config.role, kv_connector=connector,
+            data_planes=sorted(bundle.planes) if bundle else [], protocols=protocols_for(self.config.role, connector),
+            engine_id=bundle.engine_id if bundle else None,
+            side_channel_host=bundle.agent.config.host if bundle else None,
+            side_channel_port=bundle.agent.port if bundle else None)
 
     def _ec_produces(self) -> bool:
         return self.config.role == "encode" or self.config.ec_transfer_config.get("ec_role") in ("ec_producer",

@@ -4,7 +4,11 @@ It answers a prefill leg the way vLLM's NIXL producer does (one token, top-level
 other completion with a short answer (JSON, or SSE when asked to stream). It can be told to fail every POST
 with a status, or to hang on POSTs, so gateway behaviour under failures can be tested.
 
-    python tests/fake_vllm.py --record FILE [--fail-status 503] [--hang] [--engine-id ID]
+It describes itself the way vLLM 0.32 with the NixlConnector does (/version, `vllm:nixl_` metrics, a 404 for a KV
+release), or, with `--kind pdserve`, as a pdserve decode instance (/v1/pdserve/info), so a failing decode leg can
+be paired with a real pdserve prefill instance.
+
+    python tests/fake_vllm.py --record FILE [--fail-status 503] [--hang] [--engine-id ID] [--kind vllm|pdserve]
 """
 
 from __future__ import annotations
@@ -70,11 +74,24 @@ def make_app(args: argparse.Namespace) -> web.Application:
         return web.Response(status=200)
 
     async def metrics(request: web.Request) -> web.Response:
-        return web.Response(text='vllm:num_requests_running{model_name="fake"} 0.0\n')
+        return web.Response(text='vllm:num_requests_running{model_name="fake"} 0.0\n'
+                                 'vllm:nixl_num_failed_transfers_total{model_name="fake"} 0.0\n')
 
     async def release(request: web.Request) -> web.Response:
         record(request, await request.json())
+        if args.kind == "vllm":  # vLLM has no such route
+            return web.json_response({"detail": "Not Found"}, status=404)
         return web.json_response({"released": True})
+
+    async def version(request: web.Request) -> web.Response:
+        return web.json_response({"version": "0.32.0"})
+
+    async def info(request: web.Request) -> web.Response:
+        if args.kind != "pdserve":
+            return web.json_response({"detail": "Not Found"}, status=404)
+        return web.json_response({"version": 1, "engine": "pdserve", "engine_version": "fake", "role": "decode",
+                                  "kv_connector": "PdConnector", "data_planes": ["tcp"],
+                                  "protocols": ["pull", "push", "decode-first"]})
 
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
@@ -82,6 +99,8 @@ def make_app(args: argparse.Namespace) -> web.Application:
     app.router.add_post("/v1/kv/release", release)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/version", version)
+    app.router.add_get("/v1/pdserve/info", info)
     return app
 
 
@@ -102,4 +121,5 @@ if __name__ == "__main__":
     parser.add_argument("--fail-status", type=int, default=0)
     parser.add_argument("--hang", action="store_true")
     parser.add_argument("--engine-id", default="fake-engine")
+    parser.add_argument("--kind", choices=["vllm", "pdserve"], default="vllm")
     asyncio.run(main(parser.parse_args()))

@@ -85,7 +85,6 @@ FORGERIES = {
     "another request's block ids": lambda a, b: {**a, "remote_block_ids": b["remote_block_ids"]},
     "out-of-range block ids": lambda a, b: {**a, "remote_block_ids": [[10 ** 6, 10 ** 6 + 1, 10 ** 6 + 2, 7]]},
     "wrong token": lambda a, b: {**a, "transfer_token": "0" * 32},
-    "no token": lambda a, b: {k: v for k, v in a.items() if k != "transfer_token"},
     "another request's key": lambda a, b: {**a, "remote_request_id": b["remote_request_id"]},
     "unknown key": lambda a, b: {**a, "remote_request_id": "cmpl-nobody-0-deadbeef"},
     "wrong engine id": lambda a, b: {**a, "remote_engine_id": "not-this-engine"},
@@ -99,6 +98,25 @@ def test_forged_pull_params_are_refused(pd, held, forgery):
     refused(decode(pd, A, FORGERIES[forgery](a, b)), "refused")
     assert metric_values(pd["D"].url)["pdserve:kv_transfer_bytes_received_total"] == before  # not one byte read
     wait_until_idle(pd["D"].url)  # nothing held on D (B's survival is checked by the fixture)
+
+
+def test_params_without_a_token_are_another_engines(pd, held):
+    """pdserve's producers hand out a token with every hold, so parameters without one were made by another
+    engine (vLLM NIXL's carry none): D dials nothing, not even P's side channel, and prefills the prompt itself."""
+    a, _ = held
+    before_d, before_p = metric_values(pd["D"].url), metric_values(pd["P"].url)
+    r = decode(pd, A, {k: v for k, v in a.items() if k != "transfer_token"})
+    ref = httpx.post(pd["C"].url + "/v1/completions", json={"prompt": A, "max_tokens": 4, "temperature": 0,
+                                                            "return_token_ids": True}).json()
+    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"], r.text
+    after_d, after_p = metric_values(pd["D"].url), metric_values(pd["P"].url)
+    for name in ("pdserve:kv_transfer_loads_ok_total", "pdserve:kv_transfer_loads_failed_total"):
+        assert after_d[name] == before_d[name], name
+    for name in ("pdserve:kv_releases_received_total", "pdserve:kv_read_done_received_total",
+                 "pdserve:kv_reads_denied_total"):
+        assert after_p[name] == before_p[name], name
+    assert after_d["pdserve:kv_foreign_params_total"] == before_d["pdserve:kv_foreign_params_total"] + 1
+    wait_until_idle(pd["D"].url)
 
 
 MALFORMED = {

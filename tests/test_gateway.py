@@ -11,10 +11,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.gateway.policies import LeastLoaded, PrefixAware
 from pdserve.gateway.registry import Instance
-from pdserve.launcher import start, start_command, start_instance
+from pdserve.launcher import LaunchError, start, start_command, start_instance
 from server_utils import metric_values, sse_events, wait_until_idle
 
 COMMON = ["--max-model-len", "512", "--num-kv-blocks", "192", "--served-model-name", "tiny"]
@@ -150,7 +151,8 @@ def test_register_deregister_and_readiness(cluster):
         assert httpx.get(g.url + "/health").status_code == 503  # no pair yet
         r = httpx.post(g.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["code"] == 503
-        httpx.post(g.url + "/register", json={"url": cluster["P1"].url, "role": "prefill"})
+        registered = httpx.post(g.url + "/register", json={"url": cluster["P1"].url, "role": "prefill"}).json()
+        assert registered["kind"].startswith("pdserve ") and "PdConnector" in registered["kind"]  # learned at once
         assert httpx.get(g.url + "/health").status_code == 503  # still no decode instance
         httpx.post(g.url + "/register", json={"url": cluster["D1"].url, "role": "decode"})
         assert httpx.get(g.url + "/health").status_code == 200
@@ -268,7 +270,7 @@ def test_pull_speaks_vllm_wire_format(recorded):
 def test_decode_failure_releases_prefill_kv_and_retries_fresh(cluster, recorded):
     """D refuses (503) after P has prefilled: P's KV is freed at once by message; retries get a new transfer_id."""
     start_fake, received = recorded
-    bad_d = start_fake("D", "--fail-status", "503")
+    bad_d = start_fake("D", "--fail-status", "503", "--kind", "pdserve")
     g = gateway("--prefill", cluster["P1"].url, "--decode", bad_d.url, "--retries", "1")
     try:
         before = metric_values(cluster["P1"].url)
@@ -281,6 +283,48 @@ def test_decode_failure_releases_prefill_kv_and_retries_fresh(cluster, recorded)
         assert len(received("D")) == 2 and len(transfer_ids) == 2  # one retry, each attempt its own transfer_id
     finally:
         g.stop()
+
+
+def test_no_release_is_sent_to_vllm_nor_counted(recorded):
+    """vLLM has no endpoint to free held KV (its lease frees it): when D refuses, the gateway sends vLLM P no
+    release, counts none as made, counts each as not made with the reason, and says so once per instance."""
+    start_fake, received = recorded
+    p, bad_d = start_fake("P"), start_fake("D", "--fail-status", "503")
+    g = gateway("--prefill", p.url, "--decode", bad_d.url, "--retries", "1")
+    try:
+        r = httpx.post(g.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=30)
+        assert r.status_code == 503
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for f in text_string_to_metric_families(httpx.get(g.url + "/metrics").text) for s in f.samples}
+        assert samples.get(("pdserve:gateway_kv_releases_total", (("reason", "decode_not_admitted"),)), 0) == 0
+        assert samples[("pdserve:gateway_kv_releases_not_made_total",
+                        (("not_made", "no_release_endpoint"), ("reason", "decode_not_admitted")))] == 2
+        assert g.log_tail(100_000).count("has no endpoint to free held KV") == 1  # once per instance
+    finally:
+        g.stop()  # waits for releases still in flight
+    assert [req["path"] for req in received("P")] == ["/v1/completions"] * 2  # two attempts, no release tried
+
+
+def test_pairs_only_instances_whose_connectors_talk(recorded):
+    """Fakes that describe themselves as vLLM (NixlConnector) or pdserve: round robin walks both lists by index,
+    which would cross them on every request; the gateway pairs like with like, and a pool that cannot serve push
+    at all is refused at startup."""
+    start_fake, received = recorded
+    fakes = {name: start_fake(name, "--kind", kind).url
+             for name, kind in (("vP", "vllm"), ("pP", "pdserve"), ("pD", "pdserve"), ("vD", "vllm"))}
+    g = gateway("--prefill", fakes["vP"], fakes["pP"], "--decode", fakes["pD"], fakes["vD"], "--policy", "round_robin")
+    try:
+        for i in range(4):
+            r = httpx.post(g.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3},
+                           headers={"X-Request-Id": f"r{i}"}, timeout=30)
+            assert r.status_code == 200, r.text
+    finally:
+        g.stop()
+    ids = {name: {req["headers"]["x-request-id"] for req in received(name)} for name in fakes}
+    assert ids["vP"] == ids["vD"] and ids["pP"] == ids["pD"] and len(ids["vP"]) == len(ids["pP"]) == 2
+    with pytest.raises(LaunchError) as startup:
+        gateway("--prefill", fakes["vP"], "--decode", fakes["vD"], "--protocol", "push")
+    assert "can serve the push protocol" in str(startup.value) and "pull only" in str(startup.value)
 
 
 def test_prefill_deadline_gives_504_not_a_hang(recorded):

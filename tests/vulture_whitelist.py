@@ -29,3 +29,5 @@ not_found
 not_allowed
 # pydantic field validators, registered by their decorators.
 _prompt_not_empty
+internal
+pdserve_info

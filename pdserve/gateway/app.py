@@ -9,6 +9,7 @@ from urllib.parse import unquote
 
 import msgspec
 
+from pdserve.gateway.registry import Instance
 from pdserve.gateway.service import Gateway
 from pdserve.ids import new_external_request_id
 from pdserve.net.front import STATE_KEY, Front
@@ -104,7 +105,7 @@ def build_app(gateway: Gateway, log_requests: bool = True) -> Any:
             if gateway.ready:
                 await _respond(send, 200, b"")
             else:
-                await _error(send, 503, f"no usable {'/'.join(gateway.forwarder.roles)} instances")
+                await _error(send, 503, gateway.unready_reason())
         elif path == "/metrics":
             await _respond(send, 200, gateway.metrics.render(), b"text/plain; version=0.0.4; charset=utf-8")
         elif path == "/v1/models":
@@ -115,7 +116,7 @@ def build_app(gateway: Gateway, log_requests: bool = True) -> Any:
             await _timeline(gateway, send, path[len(_TIMELINE):])
         elif path == "/instances":
             await _respond(send, 200, _encode([{"url": i.url, "role": i.role, "healthy": i.healthy,
-                                                "in_flight": i.in_flight, "load": i.load}
+                                                "in_flight": i.in_flight, "load": i.load, "kind": _kind(i)}
                                                for i in gateway.registry.instances.values()]))
         else:
             await _error(send, 404, f"no route {method} {path}")
@@ -177,7 +178,7 @@ async def _membership(gateway: Gateway, receive: Any, send: Any, path: str) -> N
             instance = gateway.registry.add(url, role)
             await gateway.registry.probe_all()
             await _respond(send, 200, _encode({"url": instance.url, "role": instance.role,
-                                               "healthy": instance.healthy}))
+                                               "healthy": instance.healthy, "kind": _kind(instance)}))
         else:
             removed = gateway.registry.remove(url)
             await _respond(send, 200 if removed else 404, _encode({"url": url, "removed": removed}))
@@ -185,6 +186,11 @@ async def _membership(gateway: Gateway, receive: Any, send: Any, path: str) -> N
         await _error(send, 400, str(exc))
     except ConnectionAbortedError:
         return
+
+
+def _kind(instance: Instance) -> str | None:
+    """What the instance is (engine, version, connector, protocols), once it has said."""
+    return instance.caps.describe() if instance.caps is not None else None
 
 
 def _header(scope: dict, name: bytes) -> str | None:

@@ -74,7 +74,7 @@ class GatewayHandle(Protocol):
     metrics: GatewayMetrics
     conditional: ConditionalDisagg
 
-    def pick(self, role: str, excluded: set[str], affinity: bytes) -> Instance: ...
+    def pick(self, role: str, excluded: set[str], affinity: bytes, partner: Instance | None = None) -> Instance: ...
 
     def release_kv(self, instance: Instance, params: dict[str, Any], transfer_id: TransferId) -> None: ...
 
@@ -130,8 +130,9 @@ class Call:
             self.gateway.release_kv(instance, params, self.transfer_id)
 
     # -- picking --------------------------------------------------------------------------------------------
-    def pick(self, role: str) -> Instance:
-        instance = self.gateway.pick(role, self.excluded, self.affinity())
+    def pick(self, role: str, partner: Instance | None = None) -> Instance:
+        """An instance for `role`; `partner`: the other half of the pair, which it must be able to talk to."""
+        instance = self.gateway.pick(role, self.excluded, self.affinity(), partner)
         self.picks[role] = instance
         return instance
 

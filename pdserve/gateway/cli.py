@@ -14,6 +14,7 @@ from typing import Any
 
 from pdserve.gateway.call import Deadlines
 from pdserve.gateway.forwarders import FORWARDERS
+from pdserve.gateway.pairing import NoPairError
 from pdserve.gateway.policies import POLICIES
 from pdserve.gateway.service import Gateway, GatewayConfig
 from pdserve.net.listen import bind_socket, freeze_startup_objects, serve_announced
@@ -90,17 +91,22 @@ def _run(args: argparse.Namespace) -> int:
         uvloop.install()
     except ImportError:
         pass
-    asyncio.run(_serve(gateway, sock, args.log_level, not args.disable_log_requests))
-    return 0
+    return asyncio.run(_serve(gateway, sock, args.log_level, not args.disable_log_requests))
 
 
-async def _serve(gateway: Gateway, sock: Any, log_level: str, log_requests: bool) -> None:
+async def _serve(gateway: Gateway, sock: Any, log_level: str, log_requests: bool) -> int:
     from pdserve.gateway.app import build_app
 
-    await gateway.start()
+    try:
+        await gateway.start()
+    except NoPairError as exc:
+        print(f"pdserve gateway: {exc}", file=sys.stderr)
+        await gateway.stop()
+        return 2
     freeze_startup_objects()
     try:
         await serve_announced(build_app(gateway, log_requests), sock, log_level, {
             "role": "gateway", "protocol": gateway.config.protocol, "scheduling": gateway.config.scheduling})
     finally:
         await gateway.stop()
+    return 0

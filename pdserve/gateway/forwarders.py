@@ -21,7 +21,6 @@ class Forwarder(ABC):
     dispatch: ClassVar[str]  # "single", "serial" or "parallel"
     scheduling_modes: ClassVar[frozenset[str]]
     roles: ClassVar[tuple[str, ...]]  # which kinds of instance a request needs
-    needs_kv_info: ClassVar[bool] = False  # whether the gateway must know P's side channel up front
     single_prompt: ClassVar[bool] = True  # kv_transfer_params carry one prompt's KV: a prompt list is split
 
     @abstractmethod
@@ -85,7 +84,7 @@ class Pull(Forwarder):
         decode = None if staged else call.pick("decode")
         if decode is not None and await served_by_decode_alone(call, decode):
             return
-        prefill = call.pick("prefill")
+        prefill = call.pick("prefill", decode)
         call.stage = Stage.PREFILL_SENT
         started = time.monotonic()
         answer = await call.call_json("prefill", prefill, prefill_body(call.body, call.transfer_id),
@@ -94,7 +93,7 @@ class Pull(Forwarder):
         call.timings["kv_ready"] = time.monotonic() - call.started
         params = answer.get("kv_transfer_params")
         if decode is None:
-            decode = call.pick("decode")  # staged: chosen now, on the freshest load
+            decode = call.pick("decode", prefill)  # staged: chosen now, on the freshest load
         if not isinstance(params, dict) or not params.get("do_remote_prefill"):
             # Visible, not silent: counted, and D computes the prompt itself.
             gw.metrics.decision("local_prefill", "prefill_returned_no_kv_params")
@@ -119,7 +118,7 @@ class DecodeFirst(Forwarder):
         decode = call.pick("decode")
         if await served_by_decode_alone(call, decode):
             return
-        prefill = call.pick("prefill")
+        prefill = call.pick("prefill", decode)
         params = kv.DecodeFirst(prefill.url, call.transfer_id).to_wire()
         call.stage = Stage.DECODE_SENT
         await call.relay("decode", decode, with_kv_params(call.body, params))
@@ -140,20 +139,19 @@ class Push(Forwarder):
     dispatch = "parallel"
     scheduling_modes = frozenset({"batch"})
     roles = ("prefill", "decode")
-    needs_kv_info = True
 
     async def run(self, call: Call) -> None:
         gw = call.gateway
         decode = call.pick("decode")
         if await served_by_decode_alone(call, decode):
             return
-        prefill = call.pick("prefill")
-        info = prefill.meta.get("kv") or {}
-        if not info:
+        prefill = call.pick("prefill", decode)
+        side = prefill.caps.side_channel if prefill.caps is not None else None
+        if side is None:
             raise LegError("prefill", "no_side_channel", f"{prefill.url} has no KV side channel", instance=prefill)
         p_body = prefill_body(call.body, call.transfer_id, push=True)
         d_params = kv.RemotePrefill(
-            engine_id=info["engine_id"], host=info["side_channel_host"], port=info["side_channel_port"],
+            engine_id=side.engine_id, host=side.host, port=side.port,
             remote_key=None, block_ids=None, token=None, transfer_id=call.transfer_id, mode="push").to_wire()
         call.stage = Stage.DECODE_SENT
         prefill_leg = asyncio.ensure_future(call.call_json("prefill", prefill, p_body, gw.deadlines.prefill_s))

@@ -33,6 +33,21 @@ class _InstanceCollector:
         yield in_flight
         yield healthy
         yield load
+        yield _info_family(self.registry)
+
+
+def _info_family(registry: Registry) -> GaugeMetricFamily:
+    """One series per identified instance, its labels saying what it is (1 while that holds)."""
+    info = GaugeMetricFamily("pdserve:gateway_instance_info", "What each instance is: engine, version, KV "
+                             "connector, data planes and the disaggregated protocols it takes part in.",
+                             labels=["instance", "role", "engine", "version", "kv_connector", "data_planes",
+                                     "protocols"])
+    for instance in list(registry.instances.values()):
+        caps = instance.caps
+        if caps is not None:
+            info.add_metric([instance.url, instance.role, caps.engine, caps.version, caps.kv_connector or "",
+                             ",".join(caps.data_planes), ",".join(sorted(caps.protocols))], 1.0)
+    return info
 
 
 class GatewayMetrics:
@@ -52,8 +67,12 @@ class GatewayMetrics:
                                 registry=r)
         self.cancellations = Counter("pdserve:gateway_cancellations", "Requests the client abandoned, by stage.",
                                      ["stage"], registry=r)
-        self.kv_releases = Counter("pdserve:gateway_kv_releases", "Explicit frees of P's held KV.", ["reason"],
-                                   registry=r)
+        self.kv_releases = Counter("pdserve:gateway_kv_releases",
+                                   "Explicit frees of P's held KV the instance confirmed.", ["reason"], registry=r)
+        self.kv_releases_not_made = Counter(
+            "pdserve:gateway_kv_releases_not_made", "Frees of held KV the gateway could not make (the instance's "
+            "lease frees it): not_made is no_release_endpoint (vLLM), unreachable or status_<code>.",
+            ["reason", "not_made"], registry=r)
         self.decisions = Counter("pdserve:gateway_disagg_decisions", "Remote or local prefill, with the reason.",
                                  ["decision", "reason"], registry=r)
         self.encode_items = Counter("pdserve:gateway_encode_items",

@@ -1,4 +1,4 @@
-"""The gateway's view of its instances: role, health, load (scraped) and in-flight requests (its own count).
+"""The gateway's view of its instances: role, kind, health, load (scraped) and in-flight requests (its own count).
 
 Instances can be added and removed at run time. Health comes from periodic probes of /health and from the
 requests themselves (a connection failure marks an instance down at once); load from /metrics scraped at a
@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-import msgspec
-
+from pdserve.gateway.capabilities import Capabilities, learn
 from pdserve.net.http_client import HttpClient, HttpPool, UpstreamError, UpstreamTimeout
 
 log = logging.getLogger(__name__)
@@ -34,7 +33,7 @@ class Instance:
     running: float = 0.0
     waiting: float = 0.0
     kv_usage: float = 0.0
-    meta: dict = field(default_factory=dict)
+    caps: Capabilities | None = None  # what it is; learned on each probe, None until it first answered
 
     @property
     def load(self) -> float:
@@ -48,9 +47,8 @@ class Instance:
 
 class Registry:
     def __init__(self, client: HttpClient, probe_interval_s: float = 1.0, scrape_interval_s: float = 0.2,
-                 failure_threshold: int = 2, fetch_kv_info: bool = False) -> None:
+                 failure_threshold: int = 2) -> None:
         self.client = client
-        self.fetch_kv_info = fetch_kv_info
         self.instances: dict[str, Instance] = {}
         self.probe_interval_s = probe_interval_s
         self.scrape_interval_s = scrape_interval_s
@@ -118,8 +116,8 @@ class Registry:
             ok = response.status == 200
         except (UpstreamError, UpstreamTimeout, OSError):
             ok = False
-        if ok and instance.role in ("prefill", "both") and self.fetch_kv_info:
-            ok = await self._fetch_kv_info(instance)
+        if ok:
+            ok = await self._learn(instance)
         if ok:
             if not instance.healthy:
                 log.info("instance %s is up", instance.url)
@@ -131,18 +129,14 @@ class Registry:
                             instance.consecutive_failures)
                 instance.healthy = False
 
-    async def _fetch_kv_info(self, instance: Instance) -> bool:
-        """Push mode needs P's side channel; a restarted P (new engine id) is noticed on the next probe."""
-        try:
-            response = await instance.pool.request("GET", "/v1/kv/info", connect_timeout=1.0, header_timeout=2.0)
-            body = await response.read(timeout=2.0)
-        except (UpstreamError, UpstreamTimeout, OSError):
+    async def _learn(self, instance: Instance) -> bool:
+        """What the instance is, asked again on every probe: a restart may put another engine at its address."""
+        caps = await learn(instance.pool, instance.caps)
+        if caps is None:
             return False
-        if response.status != 200:
-            log.warning("instance %s has no KV side channel (%d); push mode cannot use it", instance.url,
-                        response.status)
-            return False
-        instance.meta["kv"] = msgspec.json.decode(body)
+        if caps != instance.caps:
+            log.info("%s instance %s is %s", instance.role, instance.url, caps.describe())
+            instance.caps = caps
         return True
 
     async def _scrape_loop(self) -> None:

@@ -15,11 +15,13 @@ from pdserve.gateway.conditional import ConditionalDisagg
 from pdserve.gateway.encode import EncodeFanout
 from pdserve.gateway.forwarders import make_forwarder
 from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.pairing import Pairing
 from pdserve.gateway.policies import NoInstanceError, make_policy
 from pdserve.gateway.prompt_list import PromptListMerger, split_prompts
 from pdserve.gateway.registry import Instance, Registry
+from pdserve.gateway.release import KVReleaser
 from pdserve.ids import TransferId
-from pdserve.net.http_client import HttpClient, UpstreamError, UpstreamTimeout
+from pdserve.net.http_client import HttpClient
 from pdserve.server.errors import error_body
 from pdserve.telemetry.timeline import TimelineStore
 from pdserve.telemetry.tracing import make_exporter
@@ -58,12 +60,12 @@ class Gateway:
         self.scheduling = config.scheduling
         self.deadlines = config.deadlines
         self.client = HttpClient()
-        self.registry = Registry(self.client, config.probe_interval_s, config.scrape_interval_s,
-                                 fetch_kv_info=self.forwarder.needs_kv_info)
+        self.registry = Registry(self.client, config.probe_interval_s, config.scrape_interval_s)
+        self.pairing = Pairing(self.registry, config.protocol)
         self.metrics = GatewayMetrics(self.registry, config.protocol)
         self.conditional = ConditionalDisagg(self.metrics, config.conditional, config.min_prompt_tokens,
                                              config.prefix_threshold, config.tokenizer)
-        self._background: set[asyncio.Task] = set()
+        self.releaser = KVReleaser(self.metrics, config.deadlines.connect_s, config.release_timeout_s)
         for role in ("prefill", "decode", "both", "encode"):
             for url in getattr(config, role):
                 self.registry.add(url, role)
@@ -72,54 +74,47 @@ class Gateway:
         self.timelines = TimelineStore(self.tracing)
 
     async def start(self) -> None:
+        """Raises NoPairError when the pool can never serve the configured protocol."""
         await self.registry.probe_all()
+        self.pairing.check_startup()
         self.registry.start()
 
     async def stop(self) -> None:
         await self.registry.stop()
-        if self._background:
-            await asyncio.wait(self._background, timeout=self.config.release_timeout_s)
+        await self.releaser.drain()
         self.client.close()
         if self.tracing is not None:
             self.tracing.shutdown()
 
     @property
     def ready(self) -> bool:
-        return self.registry.has_route(self.forwarder.roles)
+        return self.registry.has_route(self.forwarder.roles) and (not self.pairing.paired or self.pairing.has_pair())
+
+    def unready_reason(self) -> str:
+        for role in self.forwarder.roles:
+            if not self.registry.usable(role):
+                return f"no usable {role} instances"
+        return self.pairing.why_none("decode", None)
 
     # -- selection ------------------------------------------------------------------------------------------
-    def pick(self, role: str, excluded: set[str], affinity: bytes) -> Instance:
-        usable = self.registry.usable(role)
+    def pick(self, role: str, excluded: set[str], affinity: bytes, partner: Instance | None = None) -> Instance:
+        """An instance for `role`; in a disaggregated protocol, one that can exchange KV with `partner` (or, for
+        the first of a pair, with some healthy instance of the other role)."""
+        usable = self.pairing.eligible(role, self.registry.usable(role), partner)
         candidates = [i for i in usable if i.url not in excluded] or usable
         if not candidates:
-            raise NoInstanceError(f"no healthy {role} instance")
+            raise NoInstanceError(self.pairing.why_none(role, partner))
         return self.policies[role].pick(candidates, affinity)
 
     # -- explicit release of held KV ------------------------------------------------------------------------
     def release_kv(self, instance: Instance, params: dict[str, Any], transfer_id: TransferId) -> None:
         """Tell P to free the KV it holds for a decode that will not happen (never wait for the lease)."""
-        self.metrics.kv_releases.labels("decode_not_admitted").inc()
-        task = asyncio.get_running_loop().create_task(self._release(instance, params, transfer_id))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _release(self, instance: Instance, params: dict[str, Any], transfer_id: TransferId) -> None:
-        body = _encode({**params, "transfer_id": params.get("transfer_id", transfer_id)})
-        try:
-            response = await instance.pool.request("POST", "/v1/kv/release", body,
-                                                   [(b"content-type", b"application/json")],
-                                                   connect_timeout=self.deadlines.connect_s,
-                                                   header_timeout=self.config.release_timeout_s)
-            await response.read(self.config.release_timeout_s)
-        except (UpstreamError, UpstreamTimeout) as exc:
-            log.warning("could not release KV on %s (%s); its lease will expire", instance.url, exc)
+        body = {**params, "transfer_id": params.get("transfer_id", transfer_id)}
+        self.releaser.release(instance, body, "decode_not_admitted")
 
     def release_transfer(self, instance: Instance, transfer_id: TransferId) -> None:
         """P may have finished and held KV that nobody will read: free it by the transfer_id we minted."""
-        self.metrics.kv_releases.labels("prefill_abandoned").inc()
-        task = asyncio.get_running_loop().create_task(self._release(instance, {"transfer_id": transfer_id}, transfer_id))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self.releaser.release(instance, {"transfer_id": transfer_id}, "prefill_abandoned")
 
     # -- one client request ---------------------------------------------------------------------------------
     async def handle(self, path: str, body: dict[str, Any], request_id: str, send: Any,

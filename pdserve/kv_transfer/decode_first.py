@@ -48,9 +48,11 @@ class DecodeFirstClient:
         params = msgspec.json.decode(raw).get("kv_transfer_params")
         if not isinstance(params, dict) or not params.get("do_remote_prefill"):
             return self._fallback(request, "returned no kv_transfer_params")
-        self.prefills += 1
         parsed = parse_kv_params(params, max_blocks)
-        return parsed if isinstance(parsed, RemotePrefill) else None
+        if not isinstance(parsed, RemotePrefill):  # another engine's KV: its side channel is never dialled
+            return self._fallback(request, "answered with kv_transfer_params that are not pdserve's")
+        self.prefills += 1
+        return parsed
 
     def _fallback(self, request: DecodeFirst, why: str) -> None:
         self.fallbacks += 1

@@ -27,8 +27,8 @@ from pdserve.kv_transfer.data_plane import DataPlane, make_data_plane
 from pdserve.kv_transfer.decode_first import DecodeFirstClient
 from pdserve.kv_transfer.faults import FaultConfig, resolve_fault_config
 from pdserve.kv_transfer.messages import PROTOCOL_VERSION
-from pdserve.kv_transfer.params import (DecodeFirst, KVParamsError, KVTransferParams, RemoteDecode, RemotePrefill,
-                                        parse_kv_params, parse_release)
+from pdserve.kv_transfer.params import (DecodeFirst, ForeignPrefill, KVParamsError, KVTransferParams, RemoteDecode,
+                                        RemotePrefill, parse_kv_params, parse_release)
 from pdserve.kv_transfer.pd_connector import PdConnectorScheduler, PdConnectorWorker, ProducerIdentity
 from pdserve.kv_transfer.peer_policy import PeerNotAllowed, PeerPolicy
 from pdserve.models.config import ModelSpec
@@ -56,6 +56,9 @@ class ConnectorBundle:
     pool_owner: str
     decode_first: DecodeFirstClient = field(default_factory=DecodeFirstClient)
     fault_api: bool = False  # whether POST /v1/kv/faults may switch fault injection at run time
+    load_failure_policy: str = "recompute"
+    foreign_params: int = 0  # requests whose remote-prefill parameters were another engine's
+    _foreign_seen: set[str] = field(default_factory=set)  # engines already logged
 
     def kv_allocator(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         kv = self.planes[self.pool_owner].allocate(shape, dtype)
@@ -96,7 +99,10 @@ class ConnectorBundle:
 
         Every peer the params name is checked against allowed_peers here, before anything is dialled or
         allocated: a refused one is a 400, never a connection attempt (or its retries) to wherever it points.
+        Another engine's parameters: prefill here at once (`recompute`) or refuse the request (`fail`).
         """
+        if isinstance(parsed, ForeignPrefill):
+            return self._foreign(parsed)
         if isinstance(parsed, DecodeFirst):
             await self._check_peer(urlsplit(parsed.prefill_url).hostname or "", "remote_prefill_url")
             parsed = await self.decode_first.prefill(parsed, prompt_token_ids, self.max_blocks)
@@ -109,6 +115,19 @@ class ConnectorBundle:
             await self.agent.config.peers.check(host)
         except PeerNotAllowed as exc:
             raise KVParamsRejected(f"kv_transfer_params.{key}: {exc}") from exc
+
+    def _foreign(self, parsed: ForeignPrefill) -> None:
+        self.foreign_params += 1
+        engine = parsed.engine_id or "an unnamed engine"
+        if self.load_failure_policy == "fail":
+            raise KVParamsRejected(f"kv_transfer_params name KV held by {engine}, which is not a pdserve instance "
+                                   f"({parsed.why}); this decode instance cannot load it (kv_load_failure_policy "
+                                   "is fail)")
+        if engine not in self._foreign_seen:
+            self._foreign_seen.add(engine)
+            log.warning("kv_transfer_params from %s are not pdserve's (%s): prefilling locally; that engine frees "
+                        "what it holds on its own lease", engine, parsed.why)
+        return None
 
     def release_local(self, body: Any) -> bool:
         """`POST /v1/kv/release` on a producer: free held KV by (remote_request_id, token) or by transfer_id."""
@@ -154,6 +173,7 @@ class ConnectorBundle:
             "counter pdserve:kv_push_unregistered_expired": self.worker.push.expired if self.worker.push else 0,
             "counter pdserve:decode_first_prefills": self.decode_first.prefills,
             "counter pdserve:decode_first_fallbacks": self.decode_first.fallbacks,
+            "counter pdserve:kv_foreign_params": self.foreign_params,
         }
 
     def ready_fields(self) -> dict[str, Any]:
@@ -226,7 +246,8 @@ def build_pd_connector(config: EngineConfig, model: ModelSpec) -> ConnectorBundl
                                unregistered_timeout_s=agent.config.lease_s, load_failure_policy=policy)
     return ConnectorBundle(scheduler=scheduler, worker=worker, agent=agent, planes=planes,
                            engine_id=engine_id, max_blocks=max_blocks, pool_owner=plane_names[0],
-                           fault_api=bool(extra.get("fault_injection_api", os.environ.get("PDSERVE_FAULTS_API"))))
+                           fault_api=bool(extra.get("fault_injection_api", os.environ.get("PDSERVE_FAULTS_API"))),
+                           load_failure_policy=policy)
 
 
 KV_CONNECTORS: dict[str, Builder] = {"PdConnector": build_pd_connector}

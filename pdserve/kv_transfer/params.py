@@ -117,6 +117,16 @@ class DecodeFirst:
 
 
 @dataclass(frozen=True, slots=True)
+class ForeignPrefill:
+    """Remote-prefill parameters that are not pdserve's: vLLM NIXL's, say, which carry no transfer token (push:
+    no transfer id). Their side channel speaks another protocol, where one unexpected message can break it, so a
+    pdserve consumer never dials it: it prefills locally (policy `recompute`) or refuses the request (`fail`)."""
+
+    engine_id: str | None
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
 class KVRelease:
     """`POST /v1/kv/release` on a producer: held KV named by (remote_request_id, transfer_token) or transfer_id."""
 
@@ -126,7 +136,7 @@ class KVRelease:
 
 
 # What a request may carry into an instance, and what a finished request hands back to its client.
-KVTransferParams = RemoteDecode | RemotePrefill | DecodeFirst
+KVTransferParams = RemoteDecode | RemotePrefill | DecodeFirst | ForeignPrefill
 KVHandOff = RemotePrefill | PushHeld
 
 
@@ -192,7 +202,19 @@ def parse_kv_params(params: Any, max_blocks: int) -> KVTransferParams | None:
         if not url.startswith("http://"):
             raise KVParamsError("kv_transfer_params.remote_prefill_url must be an http:// URL")
         return DecodeFirst(url.rstrip("/"), transfer_id)
-    return _remote_prefill(params, transfer_id, max_blocks)
+    return _foreign(params, transfer_id) or _remote_prefill(params, transfer_id, max_blocks)
+
+
+def _foreign(params: dict[str, Any], transfer_id: TransferId | None) -> ForeignPrefill | None:
+    """pdserve's producers hand out a transfer token with every pull and the gateway a transfer id with every
+    push; parameters without them were made by another engine, whatever else they hold."""
+    engine_id = params.get("remote_engine_id")
+    engine_id = engine_id if isinstance(engine_id, str) else None
+    if params.get("remote_block_ids") is not None and not params.get("transfer_token"):
+        return ForeignPrefill(engine_id, "no pdserve transfer_token")
+    if params.get("remote_block_ids") is None and transfer_id is None:
+        return ForeignPrefill(engine_id, "no remote_block_ids and no pdserve transfer_id")
+    return None
 
 
 def _remote_prefill(params: dict[str, Any], transfer_id: TransferId | None, max_blocks: int) -> RemotePrefill:
@@ -201,8 +223,6 @@ def _remote_prefill(params: dict[str, Any], transfer_id: TransferId | None, max_
         raise KVParamsError(f"tp_size {tp_size} is not supported (pdserve instances have one KV shard)")
     block_ids = params.get("remote_block_ids")
     mode = "pull" if block_ids is not None else "push"
-    if mode == "push" and transfer_id is None:
-        raise KVParamsError("kv_transfer_params without remote_block_ids (push mode) need a transfer_id")
     num_tokens = params.get("remote_num_tokens")
     if num_tokens is not None and (not isinstance(num_tokens, int) or num_tokens < 0):
         raise KVParamsError("kv_transfer_params.remote_num_tokens must be a non-negative integer")

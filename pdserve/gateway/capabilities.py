@@ -1,0 +1,99 @@
+"""What each instance is (engine, version, KV connector, data planes, protocols) and which P and D can talk.
+
+A pool may mix pdserve and vLLM instances. KV moves only between connectors that speak the same wire (pdserve's
+with pdserve's, vLLM NIXL's with vLLM NIXL's), and decode-first and push exist only in pdserve, so the gateway
+learns each instance's kind on registration and on every health probe (a restart may bring another engine to the
+same address). A pdserve instance describes itself at /v1/pdserve/info; any other engine answers 404 there. vLLM
+is then recognised by /version, and its NixlConnector by the `vllm:nixl_` metrics its /metrics carries only when
+that connector is configured.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import msgspec
+
+from pdserve.net.http_client import HttpPool, UpstreamError, UpstreamTimeout
+from pdserve.server.info import INFO_PATH, InstanceInfo, decode_info
+
+log = logging.getLogger(__name__)
+
+VLLM = "vllm"
+VLLM_NIXL = "NixlConnector"
+# vLLM's NixlConnector (pull mode) serves vLLM's own pull protocol; pdserve's push and decode-first are not its.
+VLLM_PROTOCOLS = {VLLM_NIXL: ("pull",)}
+PAIRED_PROTOCOLS = ("pull", "push", "decode-first")
+_NIXL_METRIC = b"vllm:nixl_"
+
+
+@dataclass(frozen=True, slots=True)
+class SideChannel:
+    """A pdserve producer's side channel, which push-mode decode legs name."""
+
+    engine_id: str
+    host: str
+    port: int
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    engine: str  # "pdserve", "vllm", or "unknown"
+    version: str
+    kv_connector: str | None
+    data_planes: tuple[str, ...] = ()
+    protocols: frozenset[str] = frozenset()
+    side_channel: SideChannel | None = None
+    takes_releases: bool = True  # whether it frees held KV on request (POST /v1/kv/release)
+
+    def can_pair(self, other: Capabilities, protocol: str) -> bool:
+        """Whether KV can move between these two for `protocol`: same engine, same connector, both speak it."""
+        return (self.kv_connector is not None and protocol in self.protocols and protocol in other.protocols
+                and (self.engine, self.kv_connector) == (other.engine, other.kv_connector))
+
+    def describe(self) -> str:
+        connector = self.kv_connector or "no KV connector"
+        protocols = ", ".join(p for p in PAIRED_PROTOCOLS if p in self.protocols) or "none"
+        return f"{self.engine} {self.version} ({connector}; protocols: {protocols})"
+
+
+def from_info(info: InstanceInfo) -> Capabilities:
+    side = None
+    if info.engine_id and info.side_channel_host and info.side_channel_port:
+        side = SideChannel(info.engine_id, info.side_channel_host, info.side_channel_port)
+    return Capabilities(info.engine, info.engine_version, info.kv_connector, tuple(info.data_planes),
+                        frozenset(info.protocols), side, takes_releases=info.kv_connector is not None)
+
+
+async def learn(pool: HttpPool, previous: Capabilities | None) -> Capabilities | None:
+    """The instance's capabilities, or None when it could not be asked (unreachable, slow, unreadable)."""
+    try:
+        status, body = await _get(pool, INFO_PATH)
+        if status == 200:
+            return from_info(decode_info(body))
+        if status != 404:
+            return None
+        status, body = await _get(pool, "/version")
+        version = str(msgspec.json.decode(body).get("version", "")) if status == 200 else ""
+        if not version:
+            return Capabilities("unknown", "", None)  # it may still take releases: they are tried
+        if previous is not None and previous.engine == VLLM and previous.version == version:
+            return previous  # the connector is fixed for a process's life; /metrics is large
+        status, body = await _get(pool, "/metrics")
+        if status != 200:
+            return None
+    except (UpstreamError, UpstreamTimeout, OSError):
+        return None
+    except (msgspec.DecodeError, msgspec.ValidationError, AttributeError) as exc:
+        log.warning("instance %s:%s describes itself in a way this gateway cannot read: %s", pool.host, pool.port,
+                    exc)
+        return None
+    connector = VLLM_NIXL if _NIXL_METRIC in body else None
+    return Capabilities(VLLM, version, connector, protocols=frozenset(VLLM_PROTOCOLS.get(connector, ())),
+                        takes_releases=False)
+
+
+async def _get(pool: HttpPool, path: str) -> tuple[int, bytes]:
+    response = await pool.request("GET", path, connect_timeout=1.0, header_timeout=2.0)
+    return response.status, await response.read(timeout=2.0)

@@ -1,0 +1,70 @@
+"""Which prefill and decode instances a disaggregated protocol may put together, and why none, when none.
+
+A pair is used only if both can take part in the protocol and their KV connectors can talk (capabilities.py).
+The first of a pair is chosen among instances that have at least one such partner, the second among the first's
+partners, so a mixed pool never crosses a vLLM instance with a pdserve one, whatever the policy's order.
+"""
+
+from __future__ import annotations
+
+from pdserve.gateway.capabilities import PAIRED_PROTOCOLS
+from pdserve.gateway.registry import Instance, Registry
+
+_OTHER = {"prefill": "decode", "decode": "prefill"}
+_HINT = ("decode-first and push need pdserve instances on both sides; vLLM instances take part in pull only, "
+         "paired with vLLM instances")
+
+
+class NoPairError(ValueError):
+    """The pool cannot serve the configured protocol at all (a configuration error at startup)."""
+
+
+def can_pair(a: Instance, b: Instance, protocol: str) -> bool:
+    return a.caps is not None and b.caps is not None and a.caps.can_pair(b.caps, protocol)
+
+
+class Pairing:
+    def __init__(self, registry: Registry, protocol: str) -> None:
+        self.registry = registry
+        self.protocol = protocol
+        self.paired = protocol in PAIRED_PROTOCOLS
+
+    def eligible(self, role: str, usable: list[Instance], partner: Instance | None) -> list[Instance]:
+        """Those of `usable` that can be paired with `partner`, or, without one, with some healthy instance."""
+        if not self.paired or role not in _OTHER:
+            return usable
+        if partner is not None:
+            return [i for i in usable if can_pair(i, partner, self.protocol)]
+        others = self.registry.usable(_OTHER[role])
+        return [i for i in usable if any(can_pair(i, o, self.protocol) for o in others)]
+
+    def has_pair(self) -> bool:
+        return bool(self.eligible("decode", self.registry.usable("decode"), None))
+
+    def why_none(self, role: str, partner: Instance | None) -> str:
+        """The 503's message: what is healthy, what each is, and why no pair of them serves this protocol."""
+        if not self.registry.usable(role):
+            return f"no healthy {role} instance"
+        if partner is not None:
+            return (f"no healthy {role} instance can exchange KV with {partner.url} ({_describe(partner)}) for "
+                    f"the {self.protocol} protocol; healthy {role} instances: {self._listing(role)}")
+        return (f"no healthy prefill/decode pair can serve the {self.protocol} protocol ({_HINT}); healthy "
+                f"prefill instances: {self._listing('prefill')}; healthy decode instances: {self._listing('decode')}")
+
+    def check_startup(self) -> None:
+        """Refuse to start a pool that can never serve its protocol (once every instance has said what it is)."""
+        if not self.paired or self.has_pair():
+            return
+        instances = [i for i in self.registry.instances.values() if i.serves("prefill") or i.serves("decode")]
+        if not instances or any(i.caps is None for i in instances):
+            return  # some are not up yet: they may still complete a pair, and requests get a 503 until then
+        listing = "; ".join(f"{i.role} {i.url}: {_describe(i)}" for i in instances)
+        raise NoPairError(f"no prefill/decode pair in this pool can serve the {self.protocol} protocol ({_HINT}): "
+                          f"{listing}")
+
+    def _listing(self, role: str) -> str:
+        return ", ".join(f"{i.url} ({_describe(i)})" for i in self.registry.usable(role)) or "none"
+
+
+def _describe(instance: Instance) -> str:
+    return instance.caps.describe() if instance.caps is not None else "not yet identified"
