@@ -11,7 +11,7 @@ import msgspec
 
 from pdserve.gateway.service import Gateway
 from pdserve.ids import new_external_request_id
-from pdserve.server.errors import error_body
+from pdserve.server.errors import OpenAIError, error_body, json_object
 
 log = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
@@ -130,12 +130,9 @@ async def _proxy(gateway: Gateway, scope: dict, receive: Any, send: Any, path: s
         await _error(send, 413, str(exc))
         return
     try:
-        body = msgspec.json.decode(raw)
-    except msgspec.DecodeError as exc:
-        await _error(send, 400, f"malformed JSON body: {exc}")
-        return
-    if not isinstance(body, dict):
-        await _error(send, 400, "the request body must be a JSON object")
+        body = json_object(raw)
+    except OpenAIError as exc:
+        await _error(send, exc.status, exc.message)
         return
     if "kv_transfer_params" in body and not gateway.config.allow_client_kv_params:
         del body["kv_transfer_params"]  # only the gateway decides where KV comes from

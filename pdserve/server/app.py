@@ -15,8 +15,9 @@ from pydantic import BaseModel, ValidationError
 
 from pdserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestTimeoutError
 from pdserve.ids import new_external_request_id
-from pdserve.server.errors import OpenAIError, error_body
+from pdserve.server.errors import OpenAIError, error_body, json_object
 from pdserve.server.metrics import ServerMetrics
+from pdserve.server.openapi import describe_request_bodies
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.server.serving import OpenAIServing
 from pdserve.telemetry.timeline import Origin
@@ -43,12 +44,7 @@ async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
     raw = await request.body()
     if len(raw) > MAX_BODY_BYTES:
         raise OpenAIError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
-    try:
-        data = msgspec.json.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise OpenAIError(400, f"malformed JSON body: {exc}") from exc
-    if not isinstance(data, dict):
-        raise OpenAIError(400, "the request body must be a JSON object")
+    data = json_object(raw)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -117,6 +113,8 @@ def build_app(engine: AsyncEngine, serving: OpenAIServing, metrics: ServerMetric
     _add_error_handlers(app)
     if extra_routes is not None:
         extra_routes(app)
+    describe_request_bodies(app, {"/v1/completions": CompletionRequest,
+                                  "/v1/chat/completions": ChatCompletionRequest})
     return app
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from http import HTTPStatus
 from typing import Any
 
+import msgspec
+
 _TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
@@ -39,3 +41,14 @@ def error_body(status: int, message: str, param: str | None = None, err_type: st
 
 def bad_request(message: str, param: str | None = None) -> OpenAIError:
     return OpenAIError(400, message, param)
+
+
+def json_object(raw: bytes) -> dict[str, Any]:
+    """A request body that must be one JSON object; anything else is the client's error, never a 500."""
+    try:
+        data = msgspec.json.decode(raw)
+    except (msgspec.DecodeError, RecursionError) as exc:  # past msgspec's nesting limit: RecursionError
+        raise bad_request(f"malformed JSON body: {exc}") from exc
+    if not isinstance(data, dict):
+        raise bad_request("the request body must be a JSON object")
+    return data

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pdserve.sampling_params import SamplingParams
 
@@ -47,7 +47,8 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    request_id: str | None = None
+    # Becomes the X-Request-Id response header: only what a header value can carry (visible ASCII).
+    request_id: str | None = Field(default=None, pattern=r"^[\x21-\x7e]+$", max_length=256)
     logit_bias: dict[str, float] | None = None
     return_token_ids: bool = False
     kv_transfer_params: dict[str, Any] | None = None
@@ -99,6 +100,13 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: str | None = None
 
+    @field_validator("prompt")
+    @classmethod
+    def _not_empty(cls, prompt: str | list) -> str | list:
+        if isinstance(prompt, list) and not prompt:
+            raise ValueError("prompt must not be empty")
+        return prompt
+
     def check_supported(self) -> None:
         self._common_checks()
         if self.suffix:
@@ -111,8 +119,6 @@ class CompletionRequest(_SamplingFields):
         p = self.prompt
         if isinstance(p, str):
             return [p]
-        if not p:
-            raise ValueError("prompt must not be empty")
         if all(isinstance(x, int) for x in p):
             return [list(p)]
         if all(isinstance(x, str) for x in p) or all(isinstance(x, list) for x in p):
