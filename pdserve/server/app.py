@@ -48,7 +48,9 @@ async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
+        errors = exc.errors()
+        # A value that fits no member of a union fails each: name the member whose type it had, if any.
+        first = next((e for e in errors if not e["type"].endswith("_type")), errors[0])
         where = ".".join(str(p) for p in first.get("loc", ())) or None
         raise OpenAIError(400, f"invalid request: {where}: {first.get('msg')}", where) from exc
 

@@ -6,9 +6,9 @@ feature pdserve does not implement are refused with a 400 rather than silently i
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.sampling_params import SamplingParams
 
@@ -93,19 +93,16 @@ class _SamplingFields(BaseModel):
         )
 
 
+_NonEmpty = Field(min_length=1)
+
+
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: (str | Annotated[list[str], _NonEmpty] | Annotated[list[int], _NonEmpty]
+             | Annotated[list[list[int]], _NonEmpty])
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
-
-    @field_validator("prompt")
-    @classmethod
-    def _not_empty(cls, prompt: str | list) -> str | list:
-        if isinstance(prompt, list) and not prompt:
-            raise ValueError("prompt must not be empty")
-        return prompt
 
     def check_supported(self) -> None:
         self._common_checks()
