@@ -13,11 +13,14 @@ from typing import Any
 
 import msgspec
 
+from pdserve.gateway.encode import client_messages
 from pdserve.gateway.registry import Instance
 
 
 _BYTES_PER_TOKEN = 4
 _CHUNK_TOKENS = 16
+# Larger ids are no token of any vocabulary (the instance refuses them) and do not fit msgpack's integers.
+_MAX_TOKEN_ID = 2**31 - 1
 
 
 class PrefixTracker:
@@ -84,11 +87,11 @@ class ConditionalDisagg:
     def prompt_tokens(self, body: dict[str, Any]) -> tuple[list[int] | bytes, bool]:
         """The prompt as token ids when they can be known exactly, else as UTF-8 bytes (approximate)."""
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and 0 <= t <= _MAX_TOKEN_ID
+                                                       for t in prompt):
             return prompt, True
         if prompt is None:
-            messages = body.get("messages") or []
-            text = "\n".join(str(m.get("content", "")) for m in messages if isinstance(m, dict))
+            text = "\n".join(str(m.get("content", "")) for m in client_messages(body) if isinstance(m, dict))
         else:
             text = prompt if isinstance(prompt, str) else msgspec.json.encode(prompt).decode()
         if self.tokenizer is not None:

@@ -25,9 +25,15 @@ _encode = msgspec.json.Encoder().encode
 IMAGE_TYPES = ("image_url", "image")
 
 
+def client_messages(body: dict[str, Any]) -> list[Any]:
+    """The body's messages if they are a list (the instance refuses anything else with a 400)."""
+    messages = body.get("messages")
+    return messages if isinstance(messages, list) else []
+
+
 def image_parts(body: dict[str, Any]) -> list[dict[str, Any]]:
     parts = []
-    for message in body.get("messages") or []:
+    for message in client_messages(body):
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, list):
             parts.extend(p for p in content if isinstance(p, dict) and p.get("type") in IMAGE_TYPES)

@@ -19,6 +19,7 @@ from pdserve.net.front import STATE_KEY, Front
 from pdserve.net.json_body import BodyError, decode_object
 from pdserve.server.errors import OpenAIError, error_body
 from pdserve.server.metrics import ServerMetrics
+from pdserve.server.openapi import describe_request_bodies
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.server.serving import OpenAIServing
 from pdserve.telemetry.timeline import Origin
@@ -52,7 +53,9 @@ async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
+        errors = exc.errors()
+        # A value that fits no member of a union fails each: name the member whose type it had, if any.
+        first = next((e for e in errors if not e["type"].endswith("_type")), errors[0])
         where = ".".join(str(p) for p in first.get("loc", ())) or None
         raise OpenAIError(400, f"invalid request: {where}: {first.get('msg')}", where) from exc
 
@@ -119,6 +122,8 @@ def build_app(engine: AsyncEngine, serving: OpenAIServing, metrics: ServerMetric
     _add_error_handlers(app)
     if extra_routes is not None:
         extra_routes(app)
+    describe_request_bodies(app, {"/v1/completions": CompletionRequest,
+                                  "/v1/chat/completions": ChatCompletionRequest})
     return app
 
 

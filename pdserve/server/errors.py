@@ -5,6 +5,7 @@ from __future__ import annotations
 from http import HTTPStatus
 from typing import Any
 
+
 _TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",

@@ -70,7 +70,8 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    request_id: str | None = None
+    # Becomes the X-Request-Id response header: only what a header value can carry (visible ASCII).
+    request_id: str | None = Field(default=None, pattern=r"^[\x21-\x7e]+$", max_length=256)
     logit_bias: dict[str, float] | None = None
     return_token_ids: bool = False
     kv_transfer_params: dict[str, Any] | None = None
@@ -120,8 +121,12 @@ class _SamplingFields(BaseModel):
         )
 
 
+_NonEmpty = Field(min_length=1)
+
+
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: (str | Annotated[list[str], _NonEmpty] | Annotated[list[int], _NonEmpty]
+             | Annotated[list[list[int]], _NonEmpty])
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
