@@ -7,18 +7,16 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
 
 from pdserve.gateway.policies import LeastLoaded, PrefixAware
 from pdserve.gateway.registry import Instance
-from pdserve.launcher import start, start_command, start_instance
+from pdserve.launcher import start, start_instance
 from server_utils import metric_values, sse_events, wait_until_idle
 
 COMMON = ["--max-model-len", "512", "--num-kv-blocks", "192", "--served-model-name", "tiny"]
-FAKE = str(Path(__file__).with_name("fake_vllm.py"))
 SUPPORTED = [("pull", "batch"), ("pull", "staged"), ("decode-first", "batch"), ("push", "batch")]
 
 
@@ -162,6 +160,25 @@ def test_register_deregister_and_readiness(cluster):
         g.stop()
 
 
+def test_a_request_an_instance_refuses_leaves_every_other_client_served(cluster):
+    """Bodies P answers with an error (whatever it is: compared with P's own direct answer) reach that client with
+    P's status and message, while the clients around it are served as usual: no instance is taken away."""
+    g = gateway("--prefill", cluster["P1"].url, "--decode", cluster["D1"].url)
+    try:
+        for bad in ({"prompt": []}, {"prompt": "x", "max_tokens": 100000}, {"prompt": [10 ** 9]}):
+            direct = httpx.post(cluster["P1"].url + "/v1/completions", json=bad, timeout=60)
+            assert direct.status_code >= 400
+            for _ in range(3):
+                r = httpx.post(g.url + "/v1/completions", json=bad, timeout=60)
+                assert (r.status_code, r.json()["error"]["message"]) == (
+                    direct.status_code, direct.json()["error"]["message"])
+                assert via_gateway(g.url, *REQUESTS[0], stream=False) == reference(cluster, *REQUESTS[0])
+        assert 'to="open"' not in httpx.get(g.url + "/metrics").text
+    finally:
+        g.stop()
+    idle_everywhere(cluster, ("P1", "D1"))
+
+
 def test_client_disconnect_mid_stream_frees_everything(cluster):
     g = gateway("--prefill", cluster["P1"].url, "--decode", cluster["D1"].url)
     try:
@@ -210,25 +227,6 @@ def test_sigkill_under_load(models, cluster):
         for victim in victims:
             victim.stop()
     idle_everywhere(cluster, ("P1", "D1"))
-
-
-@pytest.fixture()
-def recorded(tmp_path):
-    """Two recording fake vLLM instances (P and D); yields (procs, reader of what each received)."""
-    procs = {}
-
-    def start_fake(name: str, *extra: str):
-        path = tmp_path / f"{name}.jsonl"
-        procs[name] = start_command(name, [sys.executable, FAKE, "--record", str(path), *extra])
-        return procs[name]
-
-    def received(name: str) -> list[dict]:
-        path = tmp_path / f"{name}.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-    yield start_fake, received
-    for proc in procs.values():
-        proc.stop()
 
 
 def test_pull_speaks_vllm_wire_format(recorded):
@@ -319,7 +317,9 @@ def test_conditional_disaggregation(cluster):
 
 
 def _instance(url: str, **load) -> Instance:
-    return Instance(url=url, role="decode", pool=None, healthy=True, **load)
+    instance = Instance(url=url, role="decode", pool=None, **load)
+    instance.breaker.probe_result(ok=True, slow=False)
+    return instance
 
 
 def test_least_loaded_prefers_the_idle_instance():

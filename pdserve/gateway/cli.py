@@ -20,6 +20,13 @@ from pdserve.net.listen import bind_socket, freeze_startup_objects, serve_announ
 
 _DEADLINE_FLAGS = {"connect_timeout": "connect_s", "prefill_timeout": "prefill_s",
                    "first_token_timeout": "first_token_s", "idle_timeout": "idle_s"}
+_HEALTH_FLAGS = {"health_check_interval": ("probe_interval_s", float, "seconds between health checks (default 1)"),
+                 "health_check_timeout": ("health_timeout_s", float, "a slower /health failed, unless traffic to the "
+                                                                     "instance succeeds meanwhile (default 2)"),
+                 "breaker_failures": ("breaker_failures", int, "consecutive transport failures, timeouts or failed "
+                                                               "health checks that stop traffic (default 3)"),
+                 "breaker_open_seconds": ("breaker_open_s", float, "how long before a half-open health check may "
+                                                                   "let traffic back (default 3)")}
 
 
 def add_gateway_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -41,6 +48,8 @@ def add_gateway_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     p.add_argument("--allow-client-kv-params", action=argparse.BooleanOptionalAction, default=None)
     for flag in _DEADLINE_FLAGS:
         p.add_argument(f"--{flag.replace('_', '-')}", type=float, default=None, metavar="SECONDS")
+    for flag, (_, kind, text) in _HEALTH_FLAGS.items():
+        p.add_argument(f"--{flag.replace('_', '-')}", type=kind, default=None, help=text)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-level", default="info")
@@ -59,6 +68,9 @@ def load_config(args: argparse.Namespace) -> GatewayConfig:
         value = getattr(args, name)
         if value is not None:
             values[name] = value
+    for flag, (field_name, _, _) in _HEALTH_FLAGS.items():
+        if getattr(args, flag) is not None:
+            values[field_name] = getattr(args, flag)
     deadlines = dict(values.pop("deadlines", {}) or {})
     for flag, field_name in _DEADLINE_FLAGS.items():
         if getattr(args, flag) is not None:

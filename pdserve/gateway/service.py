@@ -14,6 +14,7 @@ from pdserve.gateway.call import Call, Deadlines, LegError, Stage
 from pdserve.gateway.conditional import ConditionalDisagg
 from pdserve.gateway.encode import EncodeFanout
 from pdserve.gateway.forwarders import make_forwarder
+from pdserve.gateway.health import HealthPolicy
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.policies import NoInstanceError, make_policy
 from pdserve.gateway.registry import Instance, Registry
@@ -44,6 +45,10 @@ class GatewayConfig:
     prefix_threshold: float = 0.8
     tokenizer: str | None = None
     probe_interval_s: float = 1.0
+    health_timeout_s: float = 2.0
+    breaker_failures: int = 3
+    breaker_open_s: float = 3.0
+    liveness_window_s: float = 10.0
     scrape_interval_s: float = 0.2
     release_timeout_s: float = 5.0
     otlp_traces_endpoint: str | None = None
@@ -57,7 +62,9 @@ class Gateway:
         self.scheduling = config.scheduling
         self.deadlines = config.deadlines
         self.client = HttpClient()
-        self.registry = Registry(self.client, config.probe_interval_s, config.scrape_interval_s,
+        health = HealthPolicy(config.breaker_failures, config.breaker_open_s, config.probe_interval_s,
+                              config.health_timeout_s, config.liveness_window_s)
+        self.registry = Registry(self.client, health, config.scrape_interval_s,
                                  fetch_kv_info=self.forwarder.needs_kv_info)
         self.metrics = GatewayMetrics(self.registry, config.protocol)
         self.conditional = ConditionalDisagg(self.metrics, config.conditional, config.min_prompt_tokens,
@@ -72,6 +79,10 @@ class Gateway:
 
     async def start(self) -> None:
         await self.registry.probe_all()
+        instances = list(self.registry.instances.values())
+        if instances and not any(i.healthy for i in instances):
+            log.warning("none of the %d configured instances is reachable (%s); answering 503 until one passes "
+                        "its health check", len(instances), ", ".join(i.url for i in instances))
         self.registry.start()
 
     async def stop(self) -> None:
