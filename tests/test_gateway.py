@@ -143,19 +143,20 @@ def test_bad_protocol_or_mode_fails_at_startup():
 
 
 def test_register_deregister_and_readiness(cluster):
-    g = gateway("--protocol", "pull")
+    g = gateway("--protocol", "pull", "--admin-token", "t0ken")
+    admin = {"Authorization": "Bearer t0ken"}
     try:
         assert httpx.get(g.url + "/health").status_code == 503  # no pair yet
         r = httpx.post(g.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["code"] == 503
-        httpx.post(g.url + "/register", json={"url": cluster["P1"].url, "role": "prefill"})
+        httpx.post(g.url + "/register", json={"url": cluster["P1"].url, "role": "prefill"}, headers=admin)
         assert httpx.get(g.url + "/health").status_code == 503  # still no decode instance
-        httpx.post(g.url + "/register", json={"url": cluster["D1"].url, "role": "decode"})
+        httpx.post(g.url + "/register", json={"url": cluster["D1"].url, "role": "decode"}, headers=admin)
         assert httpx.get(g.url + "/health").status_code == 200
         assert via_gateway(g.url, *REQUESTS[0], stream=False) == reference(cluster, *REQUESTS[0])
-        httpx.post(g.url + "/deregister", json={"url": cluster["D1"].url})
+        httpx.post(g.url + "/deregister", json={"url": cluster["D1"].url}, headers=admin)
         assert httpx.get(g.url + "/health").status_code == 503
-        assert httpx.post(g.url + "/register", json={"url": "not a url"}).status_code == 400
+        assert httpx.post(g.url + "/register", json={"url": "not a url"}, headers=admin).status_code == 400
     finally:
         g.stop()
 

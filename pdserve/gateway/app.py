@@ -9,8 +9,10 @@ from urllib.parse import unquote
 
 import msgspec
 
+from pdserve.gateway.admin import ADMIN_PATHS, membership
 from pdserve.gateway.service import Gateway
 from pdserve.ids import new_external_request_id
+from pdserve.net.auth import AccessGuard, AccessPolicy
 from pdserve.server.errors import error_body
 
 log = logging.getLogger(__name__)
@@ -88,7 +90,9 @@ async def _wait_disconnect(receive: Any) -> None:
         pass
 
 
-def build_app(gateway: Gateway) -> Any:
+def build_app(gateway: Gateway, access: AccessPolicy | None = None) -> Any:
+    """The gateway's routes behind its access rules (by default: no API key, admin endpoints off)."""
+
     async def app(scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return
@@ -107,8 +111,8 @@ def build_app(gateway: Gateway) -> Any:
             await _respond(send, 200, gateway.metrics.render(), b"text/plain; version=0.0.4; charset=utf-8")
         elif path == "/v1/models":
             await _models(gateway, send)
-        elif path in ("/register", "/deregister") and method == "POST":
-            await _membership(gateway, receive, send, path)
+        elif path in ADMIN_PATHS and method == "POST":
+            await _membership(gateway, scope, receive, send, path)
         elif path.startswith(_TIMELINE) and method == "GET":
             await _timeline(gateway, send, path[len(_TIMELINE):])
         elif path == "/instances":
@@ -118,7 +122,7 @@ def build_app(gateway: Gateway) -> Any:
         else:
             await _error(send, 404, f"no route {method} {path}")
 
-    return app
+    return AccessGuard(app, access or AccessPolicy(admin_paths=ADMIN_PATHS))
 
 
 async def _proxy(gateway: Gateway, scope: dict, receive: Any, send: Any, path: str) -> None:
@@ -167,22 +171,16 @@ async def _models(gateway: Gateway, send: Any) -> None:
     await _error(send, 503, "no instance could list its models")
 
 
-async def _membership(gateway: Gateway, receive: Any, send: Any, path: str) -> None:
+async def _membership(gateway: Gateway, scope: dict, receive: Any, send: Any, path: str) -> None:
     try:
-        data = msgspec.json.decode(await _read_body(receive))
-        url = data["url"]
-        if path == "/register":
-            instance = gateway.registry.add(url, data.get("role", "both"))
-            await gateway.registry.probe_all()
-            await _respond(send, 200, _encode({"url": instance.url, "role": instance.role,
-                                               "healthy": instance.healthy}))
-        else:
-            removed = gateway.registry.remove(url)
-            await _respond(send, 200 if removed else 404, _encode({"url": url, "removed": removed}))
-    except (msgspec.DecodeError, KeyError, TypeError, ValueError) as exc:
-        await _error(send, 400, f"expected {{\"url\": ..., \"role\": ...}}: {exc}")
+        raw = await _read_body(receive)
     except ConnectionAbortedError:
         return
+    except ValueError as exc:
+        await _error(send, 413, str(exc))
+        return
+    status, body = await membership(gateway, scope, raw, path)
+    await _respond(send, status, _encode(body))
 
 
 def _header(scope: dict, name: bytes) -> str | None:

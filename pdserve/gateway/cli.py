@@ -16,6 +16,7 @@ from pdserve.gateway.call import Deadlines
 from pdserve.gateway.forwarders import FORWARDERS
 from pdserve.gateway.policies import POLICIES
 from pdserve.gateway.service import Gateway, GatewayConfig
+from pdserve.net.auth import AccessPolicy, resolve_admin_token
 from pdserve.net.listen import bind_socket, freeze_startup_objects, serve_announced
 
 _DEADLINE_FLAGS = {"connect_timeout": "connect_s", "prefill_timeout": "prefill_s",
@@ -50,6 +51,15 @@ def add_gateway_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
         p.add_argument(f"--{flag.replace('_', '-')}", type=float, default=None, metavar="SECONDS")
     for flag, (_, kind, text) in _HEALTH_FLAGS.items():
         p.add_argument(f"--{flag.replace('_', '-')}", type=kind, default=None, help=text)
+    p.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                   help="clients must send 'Authorization: Bearer KEY' (default: $VLLM_API_KEY; /health and "
+                        "/metrics stay open); also sent to instances unless --instance-api-key says otherwise")
+    p.add_argument("--instance-api-key", default=None, metavar="KEY", help="the key the instances were started with")
+    p.add_argument("--admin-token", default=None, metavar="TOKEN",
+                   help="allow /register and /deregister with 'Authorization: Bearer TOKEN' "
+                        "(default: $PDSERVE_ADMIN_TOKEN; with neither this nor --admin-port they are off)")
+    p.add_argument("--admin-port", type=int, default=None, metavar="PORT",
+                   help="serve /register and /deregister on 127.0.0.1:PORT (0 picks a free port)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-level", default="info")
@@ -64,7 +74,8 @@ def load_config(args: argparse.Namespace) -> GatewayConfig:
         text = args.config.read_text()
         values = json.loads(text) if args.config.suffix == ".json" else tomllib.loads(text)
     for name in ("prefill", "decode", "both", "encode", "protocol", "scheduling", "policy", "retries", "conditional",
-                 "min_prompt_tokens", "prefix_threshold", "tokenizer", "allow_client_kv_params", "otlp_traces_endpoint"):
+                 "min_prompt_tokens", "prefix_threshold", "tokenizer", "allow_client_kv_params", "otlp_traces_endpoint",
+                 "api_key", "instance_api_key", "admin_token", "admin_port"):
         value = getattr(args, name)
         if value is not None:
             values[name] = value
@@ -92,23 +103,28 @@ def run_gateway(args: argparse.Namespace) -> int:
         print(f"pdserve gateway: {exc}", file=sys.stderr)
         return 2
     sock = bind_socket(args.host, args.port)
+    admin_sock = None if config.admin_port is None else bind_socket("127.0.0.1", config.admin_port)
     try:
         import uvloop
 
         uvloop.install()
     except ImportError:
         pass
-    asyncio.run(_serve(gateway, sock, args.log_level))
+    asyncio.run(_serve(gateway, sock, admin_sock, args.log_level))
     return 0
 
 
-async def _serve(gateway: Gateway, sock: Any, log_level: str) -> None:
+async def _serve(gateway: Gateway, sock: Any, admin_sock: Any, log_level: str) -> None:
+    from pdserve.gateway.admin import ADMIN_PATHS
     from pdserve.gateway.app import build_app
 
+    access = AccessPolicy(gateway.api_keys, resolve_admin_token(gateway.config.admin_token),
+                          admin_sock.getsockname()[1] if admin_sock is not None else None, ADMIN_PATHS)
     await gateway.start()
     freeze_startup_objects()
     try:
-        await serve_announced(build_app(gateway), sock, log_level, {
-            "role": "gateway", "protocol": gateway.config.protocol, "scheduling": gateway.config.scheduling})
+        await serve_announced(build_app(gateway, access), sock, log_level, {
+            "role": "gateway", "protocol": gateway.config.protocol, "scheduling": gateway.config.scheduling},
+            admin_sock)
     finally:
         await gateway.stop()

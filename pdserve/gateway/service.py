@@ -19,6 +19,7 @@ from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.policies import NoInstanceError, make_policy
 from pdserve.gateway.registry import Instance, Registry
 from pdserve.ids import TransferId
+from pdserve.net.auth import bearer_header, resolve_api_keys
 from pdserve.net.http_client import HttpClient, UpstreamError, UpstreamTimeout
 from pdserve.server.errors import error_body
 from pdserve.telemetry.timeline import TimelineStore
@@ -52,6 +53,10 @@ class GatewayConfig:
     scrape_interval_s: float = 0.2
     release_timeout_s: float = 5.0
     otlp_traces_endpoint: str | None = None
+    api_key: list[str] = field(default_factory=list)  # clients must send one (else VLLM_API_KEY, if set)
+    instance_api_key: str | None = None  # sent to instances (default: the first api_key)
+    admin_token: str | None = None  # Bearer token for /register and /deregister (else PDSERVE_ADMIN_TOKEN)
+    admin_port: int | None = None  # or serve them on this loopback port
 
 
 class Gateway:
@@ -61,7 +66,9 @@ class Gateway:
         self.policies = {role: make_policy(config.policy) for role in ("prefill", "decode", "both", "encode")}
         self.scheduling = config.scheduling
         self.deadlines = config.deadlines
-        self.client = HttpClient()
+        self.api_keys = resolve_api_keys(config.api_key)
+        outbound = config.instance_api_key or (self.api_keys[0] if self.api_keys else None)
+        self.client = HttpClient(bearer_header(outbound))
         health = HealthPolicy(config.breaker_failures, config.breaker_open_s, config.probe_interval_s,
                               config.health_timeout_s, config.liveness_window_s)
         self.registry = Registry(self.client, health, config.scrape_interval_s,

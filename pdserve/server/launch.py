@@ -11,9 +11,11 @@ import sys
 from pathlib import Path
 
 from pdserve.config import DEFAULT_KV_CACHE_GIB, ROLES, EngineConfig
+from pdserve.net.auth import AccessGuard, AccessPolicy, resolve_admin_token, resolve_api_keys
 from pdserve.net.listen import bind_socket, freeze_startup_objects, serve_announced
 
 log = logging.getLogger("pdserve.serve")
+ADMIN_PATHS = frozenset({"/v1/kv/faults"})  # switches fault injection: for drills, never for clients
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -54,6 +56,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed in the ready line)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds without progress before a request fails")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                   help="clients must send 'Authorization: Bearer KEY' (default: $VLLM_API_KEY); /health, /metrics "
+                        "and /version stay open, as in vLLM")
+    p.add_argument("--admin-token", default=None, metavar="TOKEN",
+                   help="allow POST /v1/kv/faults with 'Authorization: Bearer TOKEN' (default: $PDSERVE_ADMIN_TOKEN)")
+    p.add_argument("--admin-port", type=int, default=None, metavar="PORT",
+                   help="serve POST /v1/kv/faults on 127.0.0.1:PORT (0 picks a free port)")
     p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                    help="export request timelines as OpenTelemetry spans to this OTLP/HTTP collector "
                         "(needs pdserve[tracing]; off by default)")
@@ -83,16 +92,23 @@ def run_serve(args: argparse.Namespace) -> int:
     from pdserve.instance import Instance
 
     config = engine_config_from_args(args)
-    instance = Instance(config, request_timeout_s=args.request_timeout, otlp_traces_endpoint=args.otlp_traces_endpoint)
+    api_keys = resolve_api_keys(args.api_key)
+    instance = Instance(config, request_timeout_s=args.request_timeout, otlp_traces_endpoint=args.otlp_traces_endpoint,
+                        api_key=api_keys[0] if api_keys else None)
     sock = bind_socket(args.host, args.port)
-    asyncio.run(serve_app(instance, sock, args.log_level))
+    admin_sock = None if args.admin_port is None else bind_socket("127.0.0.1", args.admin_port)
+    access = AccessPolicy(api_keys, resolve_admin_token(args.admin_token),
+                          admin_sock.getsockname()[1] if admin_sock is not None else None, ADMIN_PATHS)
+    asyncio.run(serve_app(instance, sock, args.log_level, access, admin_sock))
     return 0
 
 
-async def serve_app(instance, sock: socket.socket, log_level: str = "info") -> None:
+async def serve_app(instance, sock: socket.socket, log_level: str = "info", access: AccessPolicy | None = None,
+                    admin_sock: socket.socket | None = None) -> None:
     app = await instance.start(advertised_host=sock.getsockname()[0])
     freeze_startup_objects()
     try:
-        await serve_announced(app, sock, log_level, instance.ready_fields())
+        await serve_announced(AccessGuard(app, access or AccessPolicy(admin_paths=ADMIN_PATHS)), sock, log_level,
+                              instance.ready_fields(), admin_sock)
     finally:
         await instance.stop()
