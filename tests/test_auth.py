@@ -87,6 +87,17 @@ def test_gateway_takes_the_key_and_forwards_one(keyed, protocol):
         g.stop()
 
 
+def test_a_gateway_without_the_instances_key_says_so(keyed):
+    """The client's key is right; the instances refuse the gateway: a 502 naming the flag, not the client's 401."""
+    g = start("gateway", ["gateway", "--port", "0", "--log-level", "warning", "--prefill", keyed["P"].url,
+                          "--decode", keyed["D"].url, "--api-key", "sk-gateway"])
+    try:
+        r = httpx.post(g.url + "/v1/completions", json=BODY, headers=bearer("sk-gateway"), timeout=60)
+        assert_openai_error(r, 502, "--instance-api-key")
+    finally:
+        g.stop()
+
+
 def test_instance_fault_switch_is_an_admin_endpoint(keyed):
     faults = {"read_fail": 0.0}
     assert_openai_error(httpx.post(keyed["D"].url + "/v1/kv/faults", json=faults, headers=bearer(KEY)), 403,

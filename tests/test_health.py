@@ -9,7 +9,6 @@ process killed and restarted at the same address.
 from __future__ import annotations
 
 import json
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,6 +16,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.launcher import start
+from peers import free_port
+from server_utils import wait_for
 
 
 def gateway(*args: str, config: dict | None = None, tmp_path=None):
@@ -40,21 +41,6 @@ def samples(url: str, name: str, **match: str) -> float:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in match.items()):
                 total += sample.value
     return total
-
-
-def wait_for(predicate, timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_an_error_answer_for_one_client_never_takes_the_instance_away(recorded):

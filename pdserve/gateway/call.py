@@ -261,6 +261,10 @@ class Call:
         return LegError(leg, "connection", f"{leg} instance {instance.url}: {exc}", status=502, instance=instance)
 
     def _status_error(self, leg: str, instance: Instance, status: int, raw: bytes) -> LegError:
+        if status == 401:  # the instance refused the gateway's credentials, not the client's: a gateway error
+            return LegError(leg, "unauthorized", f"{leg} instance {instance.url} refused the gateway's API key "
+                            "(start the gateway with the instances' key: --instance-api-key)", retryable=False,
+                            instance=instance)
         # A 4xx is about the request itself: another pair would refuse it too, and its message is the answer.
         retryable = status >= 500
         reason = f"status_{status}"

@@ -144,8 +144,8 @@ class Registry:
         response = await instance.pool.request("GET", "/v1/kv/info", connect_timeout=self.health.probe_timeout_s)
         body = await response.read()
         if response.status != 200:
-            log.warning("instance %s has no KV side channel (%d); push mode cannot use it", instance.url,
-                        response.status)
+            log.warning("instance %s has no KV side channel (%d%s); push mode cannot use it", instance.url,
+                        response.status, ": it wants --instance-api-key" if response.status == 401 else "")
             return False
         instance.meta["kv"] = msgspec.json.decode(body)
         return True
