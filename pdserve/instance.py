@@ -14,9 +14,11 @@ from pdserve.config import EngineConfig
 from pdserve.ec_transfer.factory import build_ec_connector
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.kv_transfer.decode_first import DecodeFirstClient
 from pdserve.kv_transfer.factory import DEFAULT_CONNECTOR, build_connectors
 from pdserve.multimodal.media import MediaPolicy
 from pdserve.multimodal.prompt import MultimodalPrompter
+from pdserve.net.auth import bearer_header
 from pdserve.server.app import build_app, json_response
 from pdserve.server.encode_serving import EncodeServing
 from pdserve.server.errors import error_body
@@ -34,7 +36,8 @@ ENGINE_FAILED_EXIT = 70
 
 class Instance:
     def __init__(self, config: EngineConfig, request_timeout_s: float = 600.0,
-                 otlp_traces_endpoint: str | None = None, log_requests: bool = True) -> None:
+                 otlp_traces_endpoint: str | None = None, log_requests: bool = True,
+                 api_key: str | None = None) -> None:
         self.config = config
         self.log_requests = log_requests
         self.tracing = make_exporter(otlp_traces_endpoint, f"pdserve-{self._kv_role()}")
@@ -42,6 +45,8 @@ class Instance:
         model = config.resolve_model()
         config.check_kv_capacity(model.max_model_len)
         self.connectors = build_connectors(config, model)
+        if self.connectors is not None:  # decode-first: D asks P to prefill, with the cluster's API key
+            self.connectors.decode_first = DecodeFirstClient(headers=bearer_header(api_key))
         self.ec = build_ec_connector(config.ec_transfer_config)
         self.engine = LLMEngine(config, self.connectors, model, self.ec)
         self.async_engine = AsyncEngine(self.engine, request_timeout_s, on_fatal=_exit_now)
@@ -131,7 +136,11 @@ class Instance:
             """Switch fault injection at run time, for drills (only if the instance was started allowing it)."""
             try:
                 body = msgspec.json.decode(await request.body())
-                return json_response(bundle.set_faults(body if isinstance(body, dict) else {}))
+                answer = bundle.set_faults(body if isinstance(body, dict) else {})
+                client = request.client
+                log.info("admin: %s set fault injection to %s", f"{client.host}:{client.port}" if client else "?",
+                         answer["faults"])
+                return json_response(answer)
             except (msgspec.DecodeError, ValueError, TypeError) as exc:
                 return json_response(error_body(400, str(exc)), 400)
 

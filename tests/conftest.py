@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.launcher import start_command
 from pdserve.llm import LLM
 from pdserve.modelgen import make_text_model
 
@@ -115,3 +117,25 @@ def hf_models() -> Callable[[Path, torch.dtype], torch.nn.Module]:
         return cache[key]
 
     return load
+
+
+@pytest.fixture()
+def recorded(tmp_path: Path):
+    """Recording fake vLLM instances (tests/fake_vllm.py): yields (start a fake by name, what a fake received).
+
+    A fake started again under the same name (after a kill) keeps appending to the same record.
+    """
+    procs = []
+    fake = str(Path(__file__).with_name("fake_vllm.py"))
+
+    def start_fake(name: str, *extra: str):
+        procs.append(start_command(name, [sys.executable, fake, "--record", str(tmp_path / f"{name}.jsonl"), *extra]))
+        return procs[-1]
+
+    def received(name: str) -> list[dict]:
+        path = tmp_path / f"{name}.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    yield start_fake, received
+    for proc in procs:
+        proc.stop()

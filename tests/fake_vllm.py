@@ -2,13 +2,18 @@
 
 It answers a prefill leg the way vLLM's NIXL producer does (one token, top-level kv_transfer_params) and any
 other completion with a short answer (JSON, or SSE when asked to stream). It can be told to fail every POST
-with a status, or to hang on POSTs, so gateway behaviour under failures can be tested.
+with a status, or to hang on POSTs, so gateway behaviour under failures can be tested; to answer one prompt with
+a 500 and then close the connection (what uvicorn does after an unhandled exception in the app); to answer
+/health late while serving everything else at once (a busy vLLM's event loop; also switchable at run time with
+`POST /fake/health-delay {"seconds": S}`); and to listen on a given port, so that a killed fake can be
+restarted at the same address.
 
 It describes itself the way vLLM 0.32 with the NixlConnector does (/version, `vllm:nixl_` metrics, a 404 for a KV
 release), or, with `--kind pdserve`, as a pdserve decode instance (/v1/pdserve/info), so a failing decode leg can
 be paired with a real pdserve prefill instance.
 
     python tests/fake_vllm.py --record FILE [--fail-status 503] [--hang] [--engine-id ID] [--kind vllm|pdserve]
+                              [--poison PROMPT] [--health-delay SECONDS] [--port PORT]
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ def make_app(args: argparse.Namespace) -> web.Application:
         record(request, body)
         if args.hang:
             await asyncio.sleep(3600)
+        if args.poison is not None and body.get("prompt") == args.poison:
+            return await _answer_then_close(request)
         if args.fail_status:
             return web.json_response({"error": {"message": "injected failure", "type": "InternalServerError",
                                                 "code": args.fail_status}}, status=args.fail_status)
@@ -71,7 +78,12 @@ def make_app(args: argparse.Namespace) -> web.Application:
                       "prompt_tokens_details": {"cached_tokens": 7}}, "kv_transfer_params": None})
 
     async def health(request: web.Request) -> web.Response:
+        await asyncio.sleep(args.health_delay)
         return web.Response(status=200)
+
+    async def set_health_delay(request: web.Request) -> web.Response:
+        args.health_delay = float((await request.json())["seconds"])
+        return web.json_response({"health_delay": args.health_delay})
 
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(text='vllm:num_requests_running{model_name="fake"} 0.0\n'
@@ -98,15 +110,28 @@ def make_app(args: argparse.Namespace) -> web.Application:
     app.router.add_post("/v1/chat/completions", completions)
     app.router.add_post("/v1/kv/release", release)
     app.router.add_get("/health", health)
+    app.router.add_post("/fake/health-delay", set_health_delay)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/version", version)
     app.router.add_get("/v1/pdserve/info", info)
     return app
 
 
+async def _answer_then_close(request: web.Request) -> web.StreamResponse:
+    """A whole keep-alive answer, then the connection closed under it: a client that reuses the connection at
+    once finds it dead although the server is fine."""
+    response = web.json_response({"error": {"message": "poisoned prompt", "type": "InternalServerError",
+                                            "param": None, "code": 500}}, status=500)
+    await response.prepare(request)
+    await response.write_eof()
+    request.transport.close()
+    return response
+
+
 async def main(args: argparse.Namespace) -> None:
     sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", args.port))
     runner = web.AppRunner(make_app(args), access_log=None)
     await runner.setup()
     site = web.SockSite(runner, sock)
@@ -122,4 +147,7 @@ if __name__ == "__main__":
     parser.add_argument("--hang", action="store_true")
     parser.add_argument("--engine-id", default="fake-engine")
     parser.add_argument("--kind", choices=["vllm", "pdserve"], default="vllm")
+    parser.add_argument("--poison", default=None)
+    parser.add_argument("--health-delay", type=float, default=0.0)
+    parser.add_argument("--port", type=int, default=0)
     asyncio.run(main(parser.parse_args()))

@@ -49,6 +49,16 @@ def wait_until_idle(base_url: str, timeout: float = 10.0) -> dict[str, float]:
                          f"waiting={last.get('vllm:num_requests_waiting')}")
 
 
+def wait_for(predicate, timeout: float = 20.0, what: str = "condition") -> None:
+    """Poll `predicate` until it holds; fail naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 def sse_events(response: httpx.Response) -> Iterator[dict]:
     """Parse a streamed SSE body into JSON events, stopping at [DONE]."""
     for line in response.iter_lines():

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from pdserve.launcher import start, start_instance
-from server_utils import metric_values, sse_events, wait_until_idle
+from server_utils import metric_values, sse_events, wait_for, wait_until_idle
 
 # A small token budget: a prompt takes several steps, so a kill can land in the middle of a prefill.
 COMMON = ["--max-model-len", "512", "--num-kv-blocks", "192", "--served-model-name", "tiny",
@@ -83,15 +83,6 @@ def _no_transfer_state(m: dict) -> bool:
     keys = ("pdserve:kv_leases_held", "pdserve:kv_transfer_map_size", "pdserve:kv_push_expected",
             "pdserve:kv_blocks_in_use")
     return all(m.get(key, 0) == 0 for key in keys)
-
-
-def wait_for(predicate, timeout=20.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def in_background(fn, *args):

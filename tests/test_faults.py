@@ -12,7 +12,8 @@ import pytest
 from pdserve.launcher import start, start_instance
 from server_utils import metric_values, wait_until_idle
 
-COMMON = ["--max-model-len", "512", "--num-kv-blocks", "192", "--served-model-name", "tiny"]
+COMMON = ["--max-model-len", "512", "--num-kv-blocks", "192", "--served-model-name", "tiny", "--admin-token", "drill"]
+ADMIN = {"Authorization": "Bearer drill"}  # /v1/kv/faults is an admin endpoint
 FAST = {"fault_injection_api": True, "kv_lease_duration": 2.0, "message_timeout": 1.0, "handshake_timeout": 1.0,
         "push_registration_timeout": 3.0, "kv_load_timeout": 5.0}
 
@@ -44,7 +45,7 @@ def cluster(models):
 
 
 def set_faults(instance, **faults) -> None:
-    r = httpx.post(instance.url + "/v1/kv/faults", json={"seed": 7, **faults})
+    r = httpx.post(instance.url + "/v1/kv/faults", json={"seed": 7, **faults}, headers=ADMIN)
     assert r.status_code == 200, r.text
 
 
@@ -101,7 +102,7 @@ def test_checksums_catch_corruption_and_partial_loads_keep_the_valid_prefix(clus
     seed = next(s for s in range(1000) if _draws(s, num_blocks)[0] >= p_lost
                 and any(d < p_lost for d in _draws(s, num_blocks)))
     first_lost = next(i for i, d in enumerate(_draws(seed, num_blocks)) if d < p_lost)
-    httpx.post(cluster["D"].url + "/v1/kv/faults", json={"seed": seed, "block_fail": p_lost})
+    httpx.post(cluster["D"].url + "/v1/kv/faults", json={"seed": seed, "block_fail": p_lost}, headers=ADMIN)
     prompt = list(range(1000, 1000 + 16 * num_blocks))
     before = metric_values(cluster["D"].url)
     assert tokens(ask(cluster["pull"].url, prompt)) == tokens(ask(cluster["C"].url, prompt))
@@ -134,7 +135,7 @@ def test_fail_policy_gives_a_clear_error(cluster, fault):
 
 
 def test_fault_switch_is_off_unless_allowed(cluster):
-    r = httpx.post(cluster["C"].url + "/v1/kv/faults", json={"read_fail": 1.0})
+    r = httpx.post(cluster["C"].url + "/v1/kv/faults", json={"read_fail": 1.0}, headers=ADMIN)
     assert r.status_code == 404  # a plain instance has no transfer routes at all
-    r = httpx.post(cluster["P"].url + "/v1/kv/faults", json={"no_such_fault": 1.0})
+    r = httpx.post(cluster["P"].url + "/v1/kv/faults", json={"no_such_fault": 1.0}, headers=ADMIN)
     assert r.status_code == 400

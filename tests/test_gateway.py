@@ -7,7 +7,6 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
@@ -19,7 +18,6 @@ from pdserve.launcher import LaunchError, start, start_command, start_instance
 from server_utils import metric_values, sse_events, wait_until_idle
 
 COMMON = ["--max-model-len", "512", "--num-kv-blocks", "192", "--served-model-name", "tiny"]
-FAKE = str(Path(__file__).with_name("fake_vllm.py"))
 SUPPORTED = [("pull", "batch"), ("pull", "staged"), ("decode-first", "batch"), ("push", "batch")]
 
 
@@ -146,22 +144,43 @@ def test_bad_protocol_or_mode_fails_at_startup():
 
 
 def test_register_deregister_and_readiness(cluster):
-    g = gateway("--protocol", "pull")
+    g = gateway("--protocol", "pull", "--admin-token", "t0ken")
+    admin = {"Authorization": "Bearer t0ken"}
     try:
         assert httpx.get(g.url + "/health").status_code == 503  # no pair yet
         r = httpx.post(g.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["code"] == 503
-        registered = httpx.post(g.url + "/register", json={"url": cluster["P1"].url, "role": "prefill"}).json()
+        registered = httpx.post(g.url + "/register", json={"url": cluster["P1"].url, "role": "prefill"},
+                                headers=admin).json()
         assert registered["kind"].startswith("pdserve ") and "PdConnector" in registered["kind"]  # learned at once
         assert httpx.get(g.url + "/health").status_code == 503  # still no decode instance
-        httpx.post(g.url + "/register", json={"url": cluster["D1"].url, "role": "decode"})
+        httpx.post(g.url + "/register", json={"url": cluster["D1"].url, "role": "decode"}, headers=admin)
         assert httpx.get(g.url + "/health").status_code == 200
         assert via_gateway(g.url, *REQUESTS[0], stream=False) == reference(cluster, *REQUESTS[0])
-        httpx.post(g.url + "/deregister", json={"url": cluster["D1"].url})
+        httpx.post(g.url + "/deregister", json={"url": cluster["D1"].url}, headers=admin)
         assert httpx.get(g.url + "/health").status_code == 503
-        assert httpx.post(g.url + "/register", json={"url": "not a url"}).status_code == 400
+        assert httpx.post(g.url + "/register", json={"url": "not a url"}, headers=admin).status_code == 400
     finally:
         g.stop()
+
+
+def test_a_request_an_instance_refuses_leaves_every_other_client_served(cluster):
+    """Bodies P answers with an error (whatever it is: compared with P's own direct answer) reach that client with
+    P's status and message, while the clients around it are served as usual: no instance is taken away."""
+    g = gateway("--prefill", cluster["P1"].url, "--decode", cluster["D1"].url)
+    try:
+        for bad in ({"prompt": []}, {"prompt": "x", "max_tokens": 100000}, {"prompt": [10 ** 9]}):
+            direct = httpx.post(cluster["P1"].url + "/v1/completions", json=bad, timeout=60)
+            assert direct.status_code >= 400
+            for _ in range(3):
+                r = httpx.post(g.url + "/v1/completions", json=bad, timeout=60)
+                assert (r.status_code, r.json()["error"]["message"]) == (
+                    direct.status_code, direct.json()["error"]["message"])
+                assert via_gateway(g.url, *REQUESTS[0], stream=False) == reference(cluster, *REQUESTS[0])
+        assert 'to="open"' not in httpx.get(g.url + "/metrics").text
+    finally:
+        g.stop()
+    idle_everywhere(cluster, ("P1", "D1"))
 
 
 def test_client_disconnect_mid_stream_frees_everything(cluster):
@@ -212,25 +231,6 @@ def test_sigkill_under_load(models, cluster):
         for victim in victims:
             victim.stop()
     idle_everywhere(cluster, ("P1", "D1"))
-
-
-@pytest.fixture()
-def recorded(tmp_path):
-    """Two recording fake vLLM instances (P and D); yields (procs, reader of what each received)."""
-    procs = {}
-
-    def start_fake(name: str, *extra: str):
-        path = tmp_path / f"{name}.jsonl"
-        procs[name] = start_command(name, [sys.executable, FAKE, "--record", str(path), *extra])
-        return procs[name]
-
-    def received(name: str) -> list[dict]:
-        path = tmp_path / f"{name}.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-    yield start_fake, received
-    for proc in procs.values():
-        proc.stop()
 
 
 def test_pull_speaks_vllm_wire_format(recorded):
@@ -363,7 +363,9 @@ def test_conditional_disaggregation(cluster):
 
 
 def _instance(url: str, **load) -> Instance:
-    return Instance(url=url, role="decode", pool=None, healthy=True, **load)
+    instance = Instance(url=url, role="decode", pool=None, **load)
+    instance.breaker.probe_result(ok=True, slow=False)
+    return instance
 
 
 def test_least_loaded_prefers_the_idle_instance():

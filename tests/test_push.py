@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.ids import new_transfer_id
 from pdserve.launcher import start, start_instance
-from server_utils import metric_values, sse_events, wait_until_idle
+from server_utils import metric_values, sse_events, wait_for, wait_until_idle
 
 COMMON = ["--max-model-len", "512", "--num-kv-blocks", "192", "--served-model-name", "tiny",
           "--max-num-batched-tokens", "16"]
@@ -135,15 +135,6 @@ def prefill_leg(cluster, prompt: list[int], transfer_id: str) -> httpx.Response:
 def decode_leg(cluster, prompt: list[int], transfer_id: str, **extra) -> httpx.Response:
     return completion(cluster["D"].url, {"prompt": prompt, "max_tokens": 8, "logprobs": 1, "return_token_ids": True,
                                          "kv_transfer_params": push_params(cluster, transfer_id), **extra})
-
-
-def wait_for(predicate, timeout=15.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.005)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_registration_before_prefill_starts(cluster):

@@ -18,6 +18,7 @@ num_channels
 _.connection_made
 _.data_received
 _.connection_lost
+_.eof_received
 _.on_header
 _.on_headers_complete
 _.on_body

@@ -9,9 +9,10 @@ from urllib.parse import unquote
 
 import msgspec
 
-from pdserve.gateway.registry import Instance
+from pdserve.gateway.admin import ADMIN_PATHS, kind, membership
 from pdserve.gateway.service import Gateway
 from pdserve.ids import new_external_request_id
+from pdserve.net.auth import AccessGuard, AccessPolicy
 from pdserve.net.front import STATE_KEY, Front
 from pdserve.net.json_body import BodyError, decode_object
 from pdserve.server.errors import error_body
@@ -91,7 +92,9 @@ async def _wait_disconnect(receive: Any) -> None:
         pass
 
 
-def build_app(gateway: Gateway, log_requests: bool = True) -> Any:
+def build_app(gateway: Gateway, access: AccessPolicy | None = None, log_requests: bool = True) -> Any:
+    """The gateway's routes behind its access rules (by default: no API key, admin endpoints off)."""
+
     async def app(scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return
@@ -110,18 +113,18 @@ def build_app(gateway: Gateway, log_requests: bool = True) -> Any:
             await _respond(send, 200, gateway.metrics.render(), b"text/plain; version=0.0.4; charset=utf-8")
         elif path == "/v1/models":
             await _models(gateway, send)
-        elif path in ("/register", "/deregister") and method == "POST":
-            await _membership(gateway, receive, send, path)
+        elif path in ADMIN_PATHS and method == "POST":
+            await _membership(gateway, scope, receive, send, path)
         elif path.startswith(_TIMELINE) and method == "GET":
             await _timeline(gateway, send, path[len(_TIMELINE):])
         elif path == "/instances":
             await _respond(send, 200, _encode([{"url": i.url, "role": i.role, "healthy": i.healthy,
-                                                "in_flight": i.in_flight, "load": i.load, "kind": _kind(i)}
+                                                "in_flight": i.in_flight, "load": i.load, "kind": kind(i)}
                                                for i in gateway.registry.instances.values()]))
         else:
             await _error(send, 404, f"no route {method} {path}")
 
-    return Front(app, log_requests)
+    return Front(AccessGuard(app, access or AccessPolicy(admin_paths=ADMIN_PATHS)), log_requests)
 
 
 async def _proxy(gateway: Gateway, scope: dict, receive: Any, send: Any, path: str) -> None:
@@ -168,29 +171,17 @@ async def _models(gateway: Gateway, send: Any) -> None:
     await _error(send, 503, "no instance could list its models")
 
 
-async def _membership(gateway: Gateway, receive: Any, send: Any, path: str) -> None:
+async def _membership(gateway: Gateway, scope: dict, receive: Any, send: Any, path: str) -> None:
     try:
-        data = decode_object(await _read_body(receive))
-        url, role = data.get("url"), data.get("role", "both")
-        if not isinstance(url, str) or not isinstance(role, str):
-            raise BodyError('expected {"url": "http://host:port", "role": "prefill"|"decode"|"both"|"encode"}')
-        if path == "/register":
-            instance = gateway.registry.add(url, role)
-            await gateway.registry.probe_all()
-            await _respond(send, 200, _encode({"url": instance.url, "role": instance.role,
-                                               "healthy": instance.healthy, "kind": _kind(instance)}))
-        else:
-            removed = gateway.registry.remove(url)
-            await _respond(send, 200 if removed else 404, _encode({"url": url, "removed": removed}))
-    except ValueError as exc:  # a BodyError, or the registry refusing the URL or role
-        await _error(send, 400, str(exc))
+        raw = await _read_body(receive)
     except ConnectionAbortedError:
         return
+    except ValueError as exc:
+        await _error(send, 413, str(exc))
+        return
+    status, body = await membership(gateway, scope, raw, path)
+    await _respond(send, status, _encode(body))
 
-
-def _kind(instance: Instance) -> str | None:
-    """What the instance is (engine, version, connector, protocols), once it has said."""
-    return instance.caps.describe() if instance.caps is not None else None
 
 
 def _header(scope: dict, name: bytes) -> str | None:

@@ -189,6 +189,7 @@ class Call:
         await self.start_response(200, b"text/event-stream")
         framer = SSEFramer()
         async for chunk in response.chunks(self.gateway.deadlines.idle_s):
+            instance.breaker.alive()  # a stream that flows is the best proof of life (health checks may lag)
             if "decode_first_token" not in self.timings:
                 self.timings["decode_first_token"] = time.monotonic() - sent_at
                 self.mark("leg_first_byte", leg=leg, url=instance.url)
@@ -212,9 +213,9 @@ class Call:
         except (UpstreamError, UpstreamTimeout) as exc:
             self._uncount(instance)
             self.leg_ended(leg, instance, 0)
-            if isinstance(exc, UpstreamError):
-                self.gateway.registry.report_failure(instance)
             raise self._leg_error(leg, instance, exc) from exc
+        if response.status < 500:
+            instance.breaker.alive()
         self._upstream.append(response)
         return response
 
@@ -254,11 +255,17 @@ class Call:
             instance.in_flight -= 1
 
     def _leg_error(self, leg: str, instance: Instance, exc: Exception) -> LegError:
+        """The instance could not be reached, broke off or missed a deadline: that counts against it."""
+        self.gateway.registry.report_failure(instance, exc)
         if isinstance(exc, UpstreamTimeout):
             return LegError(leg, "timeout", f"{leg} instance {instance.url}: {exc}", status=504, instance=instance)
         return LegError(leg, "connection", f"{leg} instance {instance.url}: {exc}", status=502, instance=instance)
 
     def _status_error(self, leg: str, instance: Instance, status: int, raw: bytes) -> LegError:
+        if status == 401:  # the instance refused the gateway's credentials, not the client's: a gateway error
+            return LegError(leg, "unauthorized", f"{leg} instance {instance.url} refused the gateway's API key "
+                            "(start the gateway with the instances' key: --instance-api-key)", retryable=False,
+                            instance=instance)
         # A 4xx is about the request itself: another pair would refuse it too, and its message is the answer.
         retryable = status >= 500
         reason = f"status_{status}"

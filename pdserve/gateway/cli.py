@@ -17,11 +17,19 @@ from pdserve.gateway.forwarders import FORWARDERS
 from pdserve.gateway.pairing import NoPairError
 from pdserve.gateway.policies import POLICIES
 from pdserve.gateway.service import Gateway, GatewayConfig
+from pdserve.net.auth import AccessPolicy, resolve_admin_token
 from pdserve.net.listen import bind_socket, freeze_startup_objects, serve_announced
 from pdserve.startup import exit_on_startup_error
 
 _DEADLINE_FLAGS = {"connect_timeout": "connect_s", "prefill_timeout": "prefill_s",
                    "first_token_timeout": "first_token_s", "idle_timeout": "idle_s"}
+_HEALTH_FLAGS = {"health_check_interval": ("probe_interval_s", float, "seconds between health checks (default 1)"),
+                 "health_check_timeout": ("health_timeout_s", float, "a slower /health failed, unless traffic to the "
+                                                                     "instance succeeds meanwhile (default 2)"),
+                 "breaker_failures": ("breaker_failures", int, "consecutive transport failures, timeouts or failed "
+                                                               "health checks that stop traffic (default 3)"),
+                 "breaker_open_seconds": ("breaker_open_s", float, "how long before a half-open health check may "
+                                                                   "let traffic back (default 3)")}
 
 
 def add_gateway_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -44,6 +52,17 @@ def add_gateway_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     p.add_argument("--allow-client-kv-params", action=argparse.BooleanOptionalAction, default=None)
     for flag in _DEADLINE_FLAGS:
         p.add_argument(f"--{flag.replace('_', '-')}", type=float, default=None, metavar="SECONDS")
+    for flag, (_, kind, text) in _HEALTH_FLAGS.items():
+        p.add_argument(f"--{flag.replace('_', '-')}", type=kind, default=None, help=text)
+    p.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                   help="clients must send 'Authorization: Bearer KEY' (default: $VLLM_API_KEY; /health and "
+                        "/metrics stay open); also sent to instances unless --instance-api-key says otherwise")
+    p.add_argument("--instance-api-key", default=None, metavar="KEY", help="the key the instances were started with")
+    p.add_argument("--admin-token", default=None, metavar="TOKEN",
+                   help="allow /register and /deregister with 'Authorization: Bearer TOKEN' "
+                        "(default: $PDSERVE_ADMIN_TOKEN; with neither this nor --admin-port they are off)")
+    p.add_argument("--admin-port", type=int, default=None, metavar="PORT",
+                   help="serve /register and /deregister on 127.0.0.1:PORT (0 picks a free port)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
@@ -60,10 +79,14 @@ def load_config(args: argparse.Namespace) -> GatewayConfig:
         text = args.config.read_text()
         values = json.loads(text) if args.config.suffix == ".json" else tomllib.loads(text)
     for name in ("prefill", "decode", "both", "encode", "protocol", "scheduling", "policy", "retries", "conditional",
-                 "min_prompt_tokens", "prefix_threshold", "tokenizer", "allow_client_kv_params", "otlp_traces_endpoint"):
+                 "min_prompt_tokens", "prefix_threshold", "tokenizer", "allow_client_kv_params", "otlp_traces_endpoint",
+                 "api_key", "instance_api_key", "admin_token", "admin_port"):
         value = getattr(args, name)
         if value is not None:
             values[name] = value
+    for flag, (field_name, _, _) in _HEALTH_FLAGS.items():
+        if getattr(args, flag) is not None:
+            values[field_name] = getattr(args, flag)
     deadlines = dict(values.pop("deadlines", {}) or {})
     for flag, field_name in _DEADLINE_FLAGS.items():
         if getattr(args, flag) is not None:
@@ -85,18 +108,22 @@ def _run(args: argparse.Namespace) -> int:
     config = load_config(args)
     gateway = Gateway(config)
     sock = bind_socket(args.host, args.port)
+    admin_sock = None if config.admin_port is None else bind_socket("127.0.0.1", config.admin_port)
     try:
         import uvloop
 
         uvloop.install()
     except ImportError:
         pass
-    return asyncio.run(_serve(gateway, sock, args.log_level, not args.disable_log_requests))
+    return asyncio.run(_serve(gateway, sock, admin_sock, args.log_level, not args.disable_log_requests))
 
 
-async def _serve(gateway: Gateway, sock: Any, log_level: str, log_requests: bool) -> int:
+async def _serve(gateway: Gateway, sock: Any, admin_sock: Any, log_level: str, log_requests: bool) -> int:
+    from pdserve.gateway.admin import ADMIN_PATHS
     from pdserve.gateway.app import build_app
 
+    access = AccessPolicy(gateway.api_keys, resolve_admin_token(gateway.config.admin_token),
+                          admin_sock.getsockname()[1] if admin_sock is not None else None, ADMIN_PATHS)
     try:
         await gateway.start()
     except NoPairError as exc:
@@ -105,8 +132,9 @@ async def _serve(gateway: Gateway, sock: Any, log_level: str, log_requests: bool
         return 2
     freeze_startup_objects()
     try:
-        await serve_announced(build_app(gateway, log_requests), sock, log_level, {
-            "role": "gateway", "protocol": gateway.config.protocol, "scheduling": gateway.config.scheduling})
+        await serve_announced(build_app(gateway, access, log_requests), sock, log_level, {
+            "role": "gateway", "protocol": gateway.config.protocol, "scheduling": gateway.config.scheduling},
+            admin_sock)
     finally:
         await gateway.stop()
     return 0

@@ -101,12 +101,14 @@ class EncodeFanout:
                                                    header_timeout=deadlines.prefill_s)
             raw = await response.read(deadlines.prefill_s)
             status = response.status
+            if status < 500:
+                instance.breaker.alive()
             answer = msgspec.json.decode(raw)
             mm_hash = answer["mm_items"][0]["mm_hash"]
             item_params = answer["ec_transfer_params"][mm_hash]
         except (UpstreamError, UpstreamTimeout, msgspec.DecodeError, KeyError, IndexError, TypeError) as exc:
-            if isinstance(exc, UpstreamError):
-                self.gateway.registry.report_failure(instance)
+            if isinstance(exc, (UpstreamError, UpstreamTimeout)):
+                self.gateway.registry.report_failure(instance, exc)
             log.warning("encoding on %s failed (%s); the prefill instance will encode locally", instance.url, exc)
             metrics.child(metrics.encode_items, "failed").inc()
             return None

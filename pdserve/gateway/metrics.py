@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from pdserve.gateway.health import BreakerState
 from pdserve.gateway.registry import Registry
 
 _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
@@ -34,6 +35,28 @@ class _InstanceCollector:
         yield healthy
         yield load
         yield _info_family(self.registry)
+        yield from self._breakers()
+
+    def _breakers(self):
+        state = GaugeMetricFamily("pdserve:gateway_breaker_state",
+                                  "1 for the state each instance's circuit breaker is in (closed: gets traffic).",
+                                  labels=["instance", "role", "state"])
+        moves = CounterMetricFamily("pdserve:gateway_breaker_transitions",
+                                    "Circuit breaker transitions per instance.", labels=["instance", "role", "from", "to"])
+        checks = CounterMetricFamily("pdserve:gateway_health_checks",
+                                     "Health checks by result: ok, failed, slow_but_serving (late while traffic "
+                                     "succeeds, not held against the instance).", labels=["instance", "role", "result"])
+        for instance in list(self.registry.instances.values()):
+            breaker = instance.breaker
+            for value in BreakerState:
+                state.add_metric([instance.url, instance.role, value.value], float(breaker.state is value))
+            for (old, new), count in breaker.transitions.items():
+                moves.add_metric([instance.url, instance.role, old, new], count)
+            for result, count in breaker.checks.items():
+                checks.add_metric([instance.url, instance.role, result], count)
+        yield state
+        yield moves
+        yield checks
 
 
 def _info_family(registry: Registry) -> GaugeMetricFamily:

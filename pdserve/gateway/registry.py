@@ -1,18 +1,20 @@
 """The gateway's view of its instances: role, kind, health, load (scraped) and in-flight requests (its own count).
 
-Instances can be added and removed at run time. Health comes from periodic probes of /health and from the
-requests themselves (a connection failure marks an instance down at once); load from /metrics scraped at a
-short interval, plus the gateway's own in-flight accounting, which is released the moment a leg ends.
+Instances can be added and removed at run time. Health is each instance's circuit breaker (health.py), fed by
+periodic checks of /health and by the requests themselves; load comes from /metrics scraped at a short
+interval, plus the gateway's own in-flight accounting, which is released the moment a leg ends.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from pdserve.gateway.capabilities import Capabilities, learn
+from pdserve.gateway.health import Breaker, HealthPolicy
 from pdserve.net.http_client import HttpClient, HttpPool, UpstreamError, UpstreamTimeout
 
 log = logging.getLogger(__name__)
@@ -27,13 +29,16 @@ class Instance:
     url: str
     role: str
     pool: HttpPool
-    healthy: bool = False
-    consecutive_failures: int = 0
+    breaker: Breaker = field(default_factory=Breaker)
     in_flight: int = 0
     running: float = 0.0
     waiting: float = 0.0
     kv_usage: float = 0.0
     caps: Capabilities | None = None  # what it is; learned on each probe, None until it first answered
+
+    @property
+    def healthy(self) -> bool:
+        return self.breaker.closed
 
     @property
     def load(self) -> float:
@@ -46,13 +51,12 @@ class Instance:
 
 
 class Registry:
-    def __init__(self, client: HttpClient, probe_interval_s: float = 1.0, scrape_interval_s: float = 0.2,
-                 failure_threshold: int = 2) -> None:
+    def __init__(self, client: HttpClient, health: HealthPolicy | None = None,
+                 scrape_interval_s: float = 0.2) -> None:
         self.client = client
         self.instances: dict[str, Instance] = {}
-        self.probe_interval_s = probe_interval_s
+        self.health = health or HealthPolicy()
         self.scrape_interval_s = scrape_interval_s
-        self.failure_threshold = failure_threshold
         self._tasks: list[asyncio.Task] = []
 
     # -- membership ---------------------------------------------------------------------------------------
@@ -67,7 +71,8 @@ class Registry:
         if existing is not None:
             existing.role = role
             return existing
-        instance = Instance(url=url, role=role, pool=self.client.pool(parts.hostname, parts.port))
+        instance = Instance(url=url, role=role, pool=self.client.pool(parts.hostname, parts.port),
+                            breaker=Breaker(self.health, url))
         self.instances[url] = instance
         log.info("registered %s instance %s", role, url)
         return instance
@@ -85,12 +90,10 @@ class Registry:
         return all(self.usable(role) for role in needs)
 
     # -- passive health -----------------------------------------------------------------------------------
-    def report_failure(self, instance: Instance) -> None:
-        """A request could not reach the instance: stop sending it traffic until a probe succeeds."""
-        instance.consecutive_failures += 1
-        if instance.healthy:
-            log.warning("instance %s marked down after a failed request", instance.url)
-        instance.healthy = False
+    @staticmethod
+    def report_failure(instance: Instance, exc: Exception) -> None:
+        """A request could not reach the instance, broke mid-answer or timed out (never: it answered an error)."""
+        instance.breaker.failure(f"request failed: {exc}")
 
     # -- background probes --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -102,32 +105,37 @@ class Registry:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def probe_all(self) -> None:
+        """Check every instance now, whatever its breaker says (startup, registration)."""
         await asyncio.gather(*(self._probe(i) for i in list(self.instances.values())))
 
     async def _probe_loop(self) -> None:
+        tick = min(self.health.probe_interval_s, self.health.open_s)
         while True:
-            await self.probe_all()
-            await asyncio.sleep(self.probe_interval_s)
+            now = time.monotonic()
+            await asyncio.gather(*(self._probe(i) for i in list(self.instances.values()) if i.breaker.probe_due(now)))
+            await asyncio.sleep(tick)
 
     async def _probe(self, instance: Instance) -> None:
+        timeout = self.health.probe_timeout_s
+        slow, detail = False, ""
         try:
-            response = await instance.pool.request("GET", "/health", connect_timeout=1.0, header_timeout=2.0)
-            await response.read(timeout=2.0)
-            ok = response.status == 200
-        except (UpstreamError, UpstreamTimeout, OSError):
-            ok = False
-        if ok:
-            ok = await self._learn(instance)
-        if ok:
-            if not instance.healthy:
-                log.info("instance %s is up", instance.url)
-            instance.healthy, instance.consecutive_failures = True, 0
-        else:
-            instance.consecutive_failures += 1
-            if instance.consecutive_failures >= self.failure_threshold and instance.healthy:
-                log.warning("instance %s failed %d health checks; marked down", instance.url,
-                            instance.consecutive_failures)
-                instance.healthy = False
+            async with asyncio.timeout(timeout):
+                detail = await self._check(instance)
+        except (TimeoutError, UpstreamTimeout):
+            slow, detail = True, f"no answer within {timeout:g} s"
+        except (UpstreamError, OSError) as exc:
+            detail = str(exc)
+        instance.breaker.probe_result(detail == "", slow, detail)
+
+    async def _check(self, instance: Instance) -> str:
+        """One health check: "" if the instance is fit for traffic, else why not."""
+        response = await instance.pool.request("GET", "/health", connect_timeout=self.health.probe_timeout_s)
+        await response.read()
+        if response.status != 200:
+            return f"/health answered {response.status}"
+        if not await self._learn(instance):
+            return "it did not say what it is (info endpoint or /version unreadable)"
+        return ""
 
     async def _learn(self, instance: Instance) -> bool:
         """What the instance is, asked again on every probe: a restart may put another engine at its address."""

@@ -14,6 +14,7 @@ from pdserve.gateway.call import Call, Deadlines, LegError, Stage
 from pdserve.gateway.conditional import ConditionalDisagg
 from pdserve.gateway.encode import EncodeFanout
 from pdserve.gateway.forwarders import make_forwarder
+from pdserve.gateway.health import HealthPolicy
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.pairing import Pairing
 from pdserve.gateway.policies import NoInstanceError, make_policy
@@ -21,6 +22,7 @@ from pdserve.gateway.prompt_list import PromptListMerger, split_prompts
 from pdserve.gateway.registry import Instance, Registry
 from pdserve.gateway.release import KVReleaser
 from pdserve.ids import TransferId
+from pdserve.net.auth import bearer_header, resolve_api_keys
 from pdserve.net.http_client import HttpClient
 from pdserve.server.errors import error_body
 from pdserve.telemetry.timeline import TimelineStore
@@ -47,9 +49,17 @@ class GatewayConfig:
     prefix_threshold: float = 0.8
     tokenizer: str | None = None
     probe_interval_s: float = 1.0
+    health_timeout_s: float = 2.0
+    breaker_failures: int = 3
+    breaker_open_s: float = 3.0
+    liveness_window_s: float = 10.0
     scrape_interval_s: float = 0.2
     release_timeout_s: float = 5.0
     otlp_traces_endpoint: str | None = None
+    api_key: list[str] = field(default_factory=list)  # clients must send one (else VLLM_API_KEY, if set)
+    instance_api_key: str | None = None  # sent to instances (default: the first api_key)
+    admin_token: str | None = None  # Bearer token for /register and /deregister (else PDSERVE_ADMIN_TOKEN)
+    admin_port: int | None = None  # or serve them on this loopback port
 
 
 class Gateway:
@@ -59,8 +69,12 @@ class Gateway:
         self.policies = {role: make_policy(config.policy) for role in ("prefill", "decode", "both", "encode")}
         self.scheduling = config.scheduling
         self.deadlines = config.deadlines
-        self.client = HttpClient()
-        self.registry = Registry(self.client, config.probe_interval_s, config.scrape_interval_s)
+        self.api_keys = resolve_api_keys(config.api_key)
+        outbound = config.instance_api_key or (self.api_keys[0] if self.api_keys else None)
+        self.client = HttpClient(bearer_header(outbound))
+        health = HealthPolicy(config.breaker_failures, config.breaker_open_s, config.probe_interval_s,
+                              config.health_timeout_s, config.liveness_window_s)
+        self.registry = Registry(self.client, health, config.scrape_interval_s)
         self.pairing = Pairing(self.registry, config.protocol)
         self.metrics = GatewayMetrics(self.registry, config.protocol)
         self.conditional = ConditionalDisagg(self.metrics, config.conditional, config.min_prompt_tokens,
@@ -76,6 +90,10 @@ class Gateway:
     async def start(self) -> None:
         """Raises NoPairError when the pool can never serve the configured protocol."""
         await self.registry.probe_all()
+        instances = list(self.registry.instances.values())
+        if instances and not any(i.healthy for i in instances):
+            log.warning("none of the %d configured instances is reachable (%s); answering 503 until one passes "
+                        "its health check", len(instances), ", ".join(i.url for i in instances))
         self.pairing.check_startup()
         self.registry.start()
 

@@ -19,10 +19,11 @@ log = logging.getLogger(__name__)
 
 
 class DecodeFirstClient:
-    def __init__(self, connect_timeout_s: float = 3.0, prefill_timeout_s: float = 300.0) -> None:
+    def __init__(self, connect_timeout_s: float = 3.0, prefill_timeout_s: float = 300.0,
+                 headers: list[tuple[bytes, bytes]] | None = None) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.prefill_timeout_s = prefill_timeout_s
-        self.client = HttpClient()
+        self.client = HttpClient(headers)  # headers: the prefill instances' API key, if they have one
         self.prefills = 0
         self.fallbacks = 0
 

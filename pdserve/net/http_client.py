@@ -34,17 +34,24 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.response: Response | None = None
         self.closed = False
+        self.reused = False  # taken from the idle pool rather than freshly connected
+        self.received = False  # any byte of the current answer came back
 
     # -- asyncio.Protocol -----------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        self.received = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._fail(UpstreamError(f"malformed response: {exc}"))
             self.close()
+
+    def eof_received(self) -> bool:
+        self.closed = True  # the upstream will not take another request here; keep it out of the pool
+        return False
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -164,17 +171,20 @@ class Response:
 class HttpPool:
     """Keep-alive connections to one upstream (host, port)."""
 
-    def __init__(self, host: str, port: int, max_idle: int = 64) -> None:
+    def __init__(self, host: str, port: int, max_idle: int = 64,
+                 headers: list[tuple[bytes, bytes]] | None = None) -> None:
         self.host = host
         self.port = port
         self.max_idle = max_idle
         self._idle: list[_Connection] = []
         self.host_header = f"{host}:{port}".encode()
+        self.headers = headers or []  # sent with every request (the upstream's credentials)
 
-    async def _connect(self, timeout: float) -> _Connection:
-        while self._idle:
+    async def _connect(self, timeout: float, reuse: bool = True) -> _Connection:
+        while reuse and self._idle:
             conn = self._idle.pop()
             if not conn.closed:
+                conn.reused = True
                 return conn
         loop = asyncio.get_running_loop()
         try:
@@ -195,16 +205,31 @@ class HttpPool:
     async def request(self, method: str, path: str, body: bytes = b"",
                       headers: list[tuple[bytes, bytes]] | None = None, *, connect_timeout: float = 5.0,
                       header_timeout: float | None = None) -> Response:
-        """Send a request and wait for the response's status and headers (the body streams on)."""
-        conn = await self._connect(connect_timeout)
-        response = Response(conn)
-        conn.response = response
+        """Send a request and wait for the response's status and headers (the body streams on).
+
+        A kept-alive connection the upstream closed just before this request (a server closes after an answer
+        it could not finish cleanly) fails without a byte back: the request is sent once more on a fresh
+        connection, since the upstream never read it. Any other failure is the caller's to judge.
+        """
         head = [method.encode(), b" ", path.encode(), b" HTTP/1.1\r\nhost: ", self.host_header,
                 b"\r\ncontent-length: ", str(len(body)).encode(), b"\r\n"]
-        for name, value in headers or ():
+        for name, value in (*self.headers, *(headers or ())):
             head += [name, b": ", value, b"\r\n"]
         head.append(b"\r\n")
-        conn.transport.write(b"".join(head) + body)
+        message = b"".join(head) + body
+        conn = await self._connect(connect_timeout)
+        try:
+            return await self._exchange(conn, message, header_timeout)
+        except UpstreamError:
+            if not conn.reused or conn.received:
+                raise
+        return await self._exchange(await self._connect(connect_timeout, reuse=False), message, header_timeout)
+
+    async def _exchange(self, conn: _Connection, message: bytes, header_timeout: float | None) -> Response:
+        response = Response(conn)
+        conn.response = response
+        conn.received = False
+        conn.transport.write(message)
         try:
             async with asyncio.timeout(header_timeout):
                 await response.headers_ready
@@ -223,15 +248,16 @@ class HttpPool:
 
 
 class HttpClient:
-    """Pools by upstream."""
+    """Pools by upstream; `headers` go with every request (e.g. the upstreams' API key)."""
 
-    def __init__(self) -> None:
+    def __init__(self, headers: list[tuple[bytes, bytes]] | None = None) -> None:
         self._pools: dict[tuple[str, int], HttpPool] = {}
+        self.headers = headers or []
 
     def pool(self, host: str, port: int) -> HttpPool:
         pool = self._pools.get((host, port))
         if pool is None:
-            pool = self._pools[(host, port)] = HttpPool(host, port)
+            pool = self._pools[(host, port)] = HttpPool(host, port, headers=self.headers)
         return pool
 
     def close(self) -> None:

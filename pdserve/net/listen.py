@@ -50,8 +50,17 @@ def announce_ready(**fields: object) -> None:
     print(json.dumps({"event": "ready", "pid": os.getpid(), **fields}), flush=True)
 
 
-async def serve_announced(app: object, sock: socket.socket, log_level: str, fields: dict[str, object]) -> None:
-    """Serve `app` on `sock` with uvicorn (httptools), and print the ready line once it accepts connections."""
+async def serve_announced(app: object, sock: socket.socket, log_level: str, fields: dict[str, object],
+                          admin_sock: socket.socket | None = None) -> None:
+    """Serve `app` on `sock` with uvicorn (httptools), and print the ready line once it accepts connections.
+
+    With `admin_sock`, the same app is served there too (it tells the two apart by the local port), and the
+    ready line carries `admin_port`.
+    """
+    sockets = [sock]
+    if admin_sock is not None:
+        sockets.append(admin_sock)
+        fields = {**fields, "admin_port": admin_sock.getsockname()[1]}
     server = uvicorn.Server(uvicorn.Config(app, log_level=log_level.lower(), access_log=False, lifespan="off",
                                            timeout_keep_alive=KEEP_ALIVE_S, http="httptools"))
 
@@ -63,6 +72,6 @@ async def serve_announced(app: object, sock: socket.socket, log_level: str, fiel
 
     announcer = asyncio.create_task(ready_when_started())
     try:
-        await server.serve(sockets=[sock])
+        await server.serve(sockets=sockets)
     finally:
         announcer.cancel()

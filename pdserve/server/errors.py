@@ -9,6 +9,7 @@ from typing import Any
 _TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
+    403: "PermissionDeniedError",
     404: "NotFoundError",
     408: "TimeoutError",
     413: "RequestTooLargeError",

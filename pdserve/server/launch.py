@@ -10,10 +10,12 @@ import sys
 from pathlib import Path
 
 from pdserve.config import DEFAULT_KV_CACHE_GIB, ROLES, EngineConfig
+from pdserve.net.auth import AccessGuard, AccessPolicy, resolve_admin_token, resolve_api_keys
 from pdserve.net.listen import StartupError, bind_socket, freeze_startup_objects, serve_announced
 from pdserve.startup import STARTUP_ERRORS, exit_on_startup_error, json_object
 
 log = logging.getLogger("pdserve.serve")
+ADMIN_PATHS = frozenset({"/v1/kv/faults"})  # switches fault injection: for drills, never for clients
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -61,6 +63,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
                    type=str.lower, help="log level")
     p.add_argument("--disable-log-requests", action="store_true", help="no access-log line per request")
+    p.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                   help="clients must send 'Authorization: Bearer KEY' (default: $VLLM_API_KEY); /health, /metrics "
+                        "and /version stay open, as in vLLM")
+    p.add_argument("--admin-token", default=None, metavar="TOKEN",
+                   help="allow POST /v1/kv/faults with 'Authorization: Bearer TOKEN' (default: $PDSERVE_ADMIN_TOKEN)")
+    p.add_argument("--admin-port", type=int, default=None, metavar="PORT",
+                   help="serve POST /v1/kv/faults on 127.0.0.1:PORT (0 picks a free port)")
     p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                    help="export request timelines as OpenTelemetry spans to this OTLP/HTTP collector "
                         "(needs pdserve[tracing]; off by default)")
@@ -96,20 +105,26 @@ def _serve(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     if not config.model.is_dir():
         raise StartupError(f"model folder {config.model} does not exist")
+    api_keys = resolve_api_keys(args.api_key)
     sock = bind_socket(args.host, args.port)  # before loading the model: a taken port fails in a second
+    admin_sock = None if args.admin_port is None else bind_socket("127.0.0.1", args.admin_port)
+    access = AccessPolicy(api_keys, resolve_admin_token(args.admin_token),
+                          admin_sock.getsockname()[1] if admin_sock is not None else None, ADMIN_PATHS)
     instance = Instance(config, request_timeout_s=args.request_timeout, otlp_traces_endpoint=args.otlp_traces_endpoint,
-                        log_requests=not args.disable_log_requests)
-    asyncio.run(serve_app(instance, sock, args.log_level))
+                        log_requests=not args.disable_log_requests, api_key=api_keys[0] if api_keys else None)
+    asyncio.run(serve_app(instance, sock, args.log_level, access, admin_sock))
     return 0
 
 
-async def serve_app(instance, sock: socket.socket, log_level: str = "info") -> None:
+async def serve_app(instance, sock: socket.socket, log_level: str = "info", access: AccessPolicy | None = None,
+                    admin_sock: socket.socket | None = None) -> None:
     try:
         app = await instance.start(advertised_host=sock.getsockname()[0])
     except STARTUP_ERRORS as exc:  # e.g. the side channel's port is taken
         raise StartupError(str(exc)) from exc
     freeze_startup_objects()
     try:
-        await serve_announced(app, sock, log_level, instance.ready_fields())
+        await serve_announced(AccessGuard(app, access or AccessPolicy(admin_paths=ADMIN_PATHS)), sock, log_level,
+                              instance.ready_fields(), admin_sock)
     finally:
         await instance.stop()

@@ -1,0 +1,75 @@
+"""The gateway's admin endpoints: `POST /register` and `POST /deregister` change who answers users, so each one
+is logged with the caller's address, and an instance URL must point somewhere an instance can live.
+
+Who may call them at all is decided before (pdserve/net/auth.py: an admin token or the loopback admin port).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import socket
+from typing import Any
+from urllib.parse import urlsplit
+
+from pdserve.gateway.registry import Instance
+from pdserve.net.auth import peer
+from pdserve.net.json_body import decode_object
+from pdserve.server.errors import error_body
+
+log = logging.getLogger(__name__)
+ADMIN_PATHS = frozenset({"/register", "/deregister"})
+
+
+async def refused_target(url: str) -> str | None:
+    """Why an instance URL may not be registered, or None. Link-local addresses are where cloud metadata
+    services answer (169.254.169.254), multicast and unspecified ones are no instance: the gateway would send
+    them users' prompts and probe them on a registrant's behalf."""
+    parts = urlsplit(url)
+    if not parts.hostname:
+        return None  # malformed: the registry says how
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(parts.hostname, parts.port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        return f"cannot resolve {parts.hostname!r}: {exc}"
+    for address in {info[4][0] for info in infos}:
+        ip = ipaddress.ip_address(address.split("%")[0])
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        for kind in ("link_local", "multicast", "unspecified"):
+            if getattr(ip, f"is_{kind}"):
+                return f"{parts.hostname} is a {kind.replace('_', '-')} address ({ip}); instances cannot live there"
+    return None
+
+
+async def membership(gateway: Any, scope: dict, body: bytes, path: str) -> tuple[int, dict[str, Any]]:
+    """Apply one register/deregister request; returns (status, JSON body)."""
+    try:
+        data = decode_object(body)
+        url, role = data.get("url"), data.get("role", "both")
+        if not isinstance(url, str) or not isinstance(role, str):
+            raise TypeError("url and role must be strings")
+        if path == "/deregister":
+            removed = gateway.registry.remove(url)
+            log.info("admin: %s deregistered %s (%s)", peer(scope), url, "removed" if removed else "not registered")
+            return (200 if removed else 404), {"url": url, "removed": removed}
+        why = await refused_target(url)
+        if why is not None:
+            log.warning("admin: %s tried to register %s %s: refused, %s", peer(scope), role, url, why)
+            return 400, _error(f"refused {url}: {why}")
+        instance = gateway.registry.add(url, role)
+    except (TypeError, ValueError) as exc:  # a BodyError, or the registry refusing the URL or role
+        return 400, _error(f"expected {{\"url\": ..., \"role\": ...}}: {exc}")
+    log.info("admin: %s registered %s instance %s", peer(scope), instance.role, instance.url)
+    await gateway.registry.probe_all()
+    return 200, {"url": instance.url, "role": instance.role, "healthy": instance.healthy, "kind": kind(instance)}
+
+
+def kind(instance: Instance) -> str | None:
+    """What the instance is (engine, version, connector, protocols), once it has said."""
+    return instance.caps.describe() if instance.caps is not None else None
+
+
+def _error(message: str) -> dict[str, Any]:
+    return error_body(400, message)
