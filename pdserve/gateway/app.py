@@ -11,29 +11,13 @@ import msgspec
 
 from pdserve.gateway.service import Gateway
 from pdserve.ids import new_external_request_id
+from pdserve.net.body import BodyTooLarge, read_body
 from pdserve.server.errors import error_body
 
 log = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
 _PROXIED = ("/v1/completions", "/v1/chat/completions")
 _TIMELINE = "/v1/timeline/"
-MAX_BODY_BYTES = 64 << 20
-
-
-async def _read_body(receive: Any) -> bytes:
-    chunks = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ConnectionAbortedError
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise ValueError("request body too large")
-        chunks.append(chunk)
-        if not message.get("more_body"):
-            return b"".join(chunks)
 
 
 async def _respond(send: Any, status: int, body: bytes, content_type: bytes = b"application/json",
@@ -108,7 +92,7 @@ def build_app(gateway: Gateway) -> Any:
         elif path == "/v1/models":
             await _models(gateway, send)
         elif path in ("/register", "/deregister") and method == "POST":
-            await _membership(gateway, receive, send, path)
+            await _membership(gateway, scope, receive, send, path)
         elif path.startswith(_TIMELINE) and method == "GET":
             await _timeline(gateway, send, path[len(_TIMELINE):])
         elif path == "/instances":
@@ -123,10 +107,10 @@ def build_app(gateway: Gateway) -> Any:
 
 async def _proxy(gateway: Gateway, scope: dict, receive: Any, send: Any, path: str) -> None:
     try:
-        raw = await _read_body(receive)
+        raw = await read_body(scope, receive, gateway.config.max_request_body_bytes)
     except ConnectionAbortedError:
         return
-    except ValueError as exc:
+    except BodyTooLarge as exc:
         await _error(send, 413, str(exc))
         return
     try:
@@ -167,9 +151,9 @@ async def _models(gateway: Gateway, send: Any) -> None:
     await _error(send, 503, "no instance could list its models")
 
 
-async def _membership(gateway: Gateway, receive: Any, send: Any, path: str) -> None:
+async def _membership(gateway: Gateway, scope: dict, receive: Any, send: Any, path: str) -> None:
     try:
-        data = msgspec.json.decode(await _read_body(receive))
+        data = msgspec.json.decode(await read_body(scope, receive, gateway.config.max_request_body_bytes))
         url = data["url"]
         if path == "/register":
             instance = gateway.registry.add(url, data.get("role", "both"))
@@ -181,6 +165,8 @@ async def _membership(gateway: Gateway, receive: Any, send: Any, path: str) -> N
             await _respond(send, 200 if removed else 404, _encode({"url": url, "removed": removed}))
     except (msgspec.DecodeError, KeyError, TypeError, ValueError) as exc:
         await _error(send, 400, f"expected {{\"url\": ..., \"role\": ...}}: {exc}")
+    except BodyTooLarge as exc:
+        await _error(send, 413, str(exc))
     except ConnectionAbortedError:
         return
 

@@ -39,6 +39,8 @@ def add_gateway_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     p.add_argument("--prefix-threshold", type=float, default=None)
     p.add_argument("--tokenizer", default=None, help="tokenizer.json, for exact prompt lengths")
     p.add_argument("--allow-client-kv-params", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--max-request-body-bytes", type=int, default=None, metavar="BYTES",
+                   help="larger request bodies get 413 before they are read (default 32 MiB)")
     for flag in _DEADLINE_FLAGS:
         p.add_argument(f"--{flag.replace('_', '-')}", type=float, default=None, metavar="SECONDS")
     p.add_argument("--host", default="127.0.0.1")
@@ -55,7 +57,8 @@ def load_config(args: argparse.Namespace) -> GatewayConfig:
         text = args.config.read_text()
         values = json.loads(text) if args.config.suffix == ".json" else tomllib.loads(text)
     for name in ("prefill", "decode", "both", "encode", "protocol", "scheduling", "policy", "retries", "conditional",
-                 "min_prompt_tokens", "prefix_threshold", "tokenizer", "allow_client_kv_params", "otlp_traces_endpoint"):
+                 "min_prompt_tokens", "prefix_threshold", "tokenizer", "allow_client_kv_params", "otlp_traces_endpoint",
+                 "max_request_body_bytes"):
         value = getattr(args, name)
         if value is not None:
             values[name] = value

@@ -18,6 +18,7 @@ from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.policies import NoInstanceError, make_policy
 from pdserve.gateway.registry import Instance, Registry
 from pdserve.ids import TransferId
+from pdserve.net.body import DEFAULT_MAX_BODY_BYTES
 from pdserve.net.http_client import HttpClient, UpstreamError, UpstreamTimeout
 from pdserve.server.errors import error_body
 from pdserve.telemetry.timeline import TimelineStore
@@ -47,6 +48,7 @@ class GatewayConfig:
     scrape_interval_s: float = 0.2
     release_timeout_s: float = 5.0
     otlp_traces_endpoint: str | None = None
+    max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
 
 class Gateway:

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from pdserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestTimeoutError
 from pdserve.ids import new_external_request_id
+from pdserve.net.body import DEFAULT_MAX_BODY_BYTES, BodyTooLarge, read_body
 from pdserve.server.errors import OpenAIError, error_body
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -23,8 +24,6 @@ from pdserve.telemetry.timeline import Origin
 
 log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
-
-MAX_BODY_BYTES = 64 << 20
 
 
 class ClientDisconnected(Exception):
@@ -39,10 +38,13 @@ def error_response(exc: OpenAIError, headers: dict[str, str] | None = None) -> R
     return json_response(exc.body(), exc.status, headers)
 
 
-async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise OpenAIError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+async def parse_body(request: Request, model: type[BaseModel], max_bytes: int) -> BaseModel:
+    try:
+        raw = await read_body(request.scope, request.receive, max_bytes)
+    except BodyTooLarge as exc:
+        raise OpenAIError(413, str(exc)) from exc
+    except ConnectionAbortedError as exc:
+        raise ClientDisconnected() from exc
     try:
         data = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
@@ -109,10 +111,11 @@ async def guard_stream(request: Request, chunks: AsyncIterator[bytes]) -> AsyncI
 
 
 def build_app(engine: AsyncEngine, serving: OpenAIServing, metrics: ServerMetrics,
-              extra_routes: Callable[[FastAPI], None] | None = None) -> FastAPI:
+              extra_routes: Callable[[FastAPI], None] | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
     engine.output_listeners.append(metrics.on_output)
-    _add_openai_routes(app, serving)
+    _add_openai_routes(app, serving, max_body_bytes)
     _add_info_routes(app, engine, serving, metrics)
     _add_error_handlers(app)
     if extra_routes is not None:
@@ -121,11 +124,11 @@ def build_app(engine: AsyncEngine, serving: OpenAIServing, metrics: ServerMetric
 
 
 async def openai_route(request: Request, model: type[BaseModel],
-                       handler: Callable[[Any, str, dict[str, str]], Awaitable[Any]]) -> Response:
+                       handler: Callable[[Any, str, dict[str, str]], Awaitable[Any]], max_body_bytes: int) -> Response:
     """Parse, run until the client leaves, and map every failure to its OpenAI-style error."""
     headers: dict[str, str] = {}
     try:
-        body = await parse_body(request, model)
+        body = await parse_body(request, model, max_body_bytes)
         external_id = external_request_id(request, getattr(body, "request_id", None))
         headers["X-Request-Id"] = external_id
         origin = Origin(external_id, time.time_ns(), request.headers.get("traceparent"))
@@ -143,14 +146,14 @@ async def openai_route(request: Request, model: type[BaseModel],
     return StreamingResponse(guard_stream(request, result), media_type="text/event-stream", headers=headers)
 
 
-def _add_openai_routes(app: FastAPI, serving: OpenAIServing) -> None:
+def _add_openai_routes(app: FastAPI, serving: OpenAIServing, max_body_bytes: int) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await openai_route(request, CompletionRequest, serving.completions)
+        return await openai_route(request, CompletionRequest, serving.completions, max_body_bytes)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await openai_route(request, ChatCompletionRequest, serving.chat)
+        return await openai_route(request, ChatCompletionRequest, serving.chat, max_body_bytes)
 
 
 def _add_info_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metrics: ServerMetrics) -> None:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from pdserve.config import DEFAULT_KV_CACHE_GIB, ROLES, EngineConfig
+from pdserve.net.body import DEFAULT_MAX_BODY_BYTES
 from pdserve.net.listen import bind_socket, freeze_startup_objects, serve_announced
 
 log = logging.getLogger("pdserve.serve")
@@ -53,6 +54,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed in the ready line)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds without progress before a request fails")
+    p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="BYTES",
+                   help="larger request bodies get 413 before they are read (default 32 MiB)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                    help="export request timelines as OpenTelemetry spans to this OTLP/HTTP collector "
@@ -83,7 +86,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from pdserve.instance import Instance
 
     config = engine_config_from_args(args)
-    instance = Instance(config, request_timeout_s=args.request_timeout, otlp_traces_endpoint=args.otlp_traces_endpoint)
+    instance = Instance(config, request_timeout_s=args.request_timeout, otlp_traces_endpoint=args.otlp_traces_endpoint,
+                        max_request_body_bytes=args.max_request_body_bytes)
     sock = bind_socket(args.host, args.port)
     asyncio.run(serve_app(instance, sock, args.log_level))
     return 0

@@ -29,11 +29,15 @@ from pdserve.sampling_params import SamplingParams, SamplingParamsError
 from pdserve.server.errors import OpenAIError, bad_request, error_body
 from pdserve.server.kv_admission import KVAdmission, KVRequestParams, ParsedKV
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedFieldError
+from pdserve.server.workers import WorkerPool
 from pdserve.telemetry.timeline import Origin, Timeline, TimelineStore
 from pdserve.tokenizer import Tokenizer, TokenizerError
 
 log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
+# Unicode normalizers (NFC, NFKC) may fold up to three characters into one before tokenizing: a prompt is refused
+# unread only when even that could not bring it within the context window.
+_NORMALIZATION_SLACK = 4
 
 
 @dataclass(slots=True)
@@ -59,13 +63,16 @@ class _Sequence:
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, model_name: str, tokenizer: Tokenizer, max_model_len: int,
                  kv_params: KVRequestParams | None = None, prompter: MultimodalPrompter | None = None,
-                 role: str = "both", timelines: TimelineStore | None = None) -> None:
+                 role: str = "both", timelines: TimelineStore | None = None,
+                 workers: WorkerPool | None = None) -> None:
         self.engine = engine
+        self.workers = workers or WorkerPool()
         self.role = role
         self.timelines = timelines or TimelineStore()
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.max_prompt_chars = max_model_len * tokenizer.max_token_chars * _NORMALIZATION_SLACK
         self.kv = KVAdmission(kv_params)
         self.prompter = prompter  # set for multimodal models
 
@@ -91,7 +98,7 @@ class OpenAIServing:
     async def _completions(self, body: CompletionRequest, kv: ParsedKV, origin: Origin,
                            headers: dict[str, str] | None) -> dict | AsyncIterator[bytes]:
         self._check_common(body)
-        prompts = [self._completion_prompt(p) for p in body.prompts()]
+        prompts = [await self._completion_prompt(p) for p in body.prompts()]
         params = [self._params(body, body.max_tokens, len(p.token_ids)) for p in prompts]
         return await self._run("completion", body, kv, origin, prompts, params, headers)
 
@@ -107,6 +114,7 @@ class OpenAIServing:
 
     async def _chat_prompt(self, body: ChatCompletionRequest) -> _Prompt:
         messages = body.message_dicts()
+        self._check_prompt_chars(message_chars(messages), "messages")
         template = {"add_generation_prompt": body.add_generation_prompt,
                     "continue_final_message": body.continue_final_message, "tools": body.tools,
                     "chat_template_kwargs": body.chat_template_kwargs}
@@ -114,9 +122,10 @@ class OpenAIServing:
             if self.prompter is not None and has_media(messages):
                 # Decoding and preprocessing images is real work: keep it off the event loop.
                 sources = parse_ec_params(body.ec_transfer_params)  # the one place they are read
-                token_ids, items = await asyncio.to_thread(self.prompter.build, messages, sources, **template)
+                token_ids, items = await self.workers.run(self.prompter.build, messages, sources, **template)
                 return _Prompt(token_ids, None, items)
-            return _Prompt(self.tokenizer.encode_chat(flatten_messages(messages), **template), None)
+            flat = flatten_messages(messages)
+            return _Prompt(await self.workers.run(self.tokenizer.encode_chat, flat, **template), None)
         except (TokenizerError, MultimodalInputError) as exc:
             raise bad_request(str(exc), "messages") from exc
 
@@ -134,10 +143,19 @@ class OpenAIServing:
         if ignored:
             log.debug("ignoring unknown request fields: %s", ignored)
 
-    def _completion_prompt(self, prompt: str | list[int]) -> _Prompt:
+    async def _completion_prompt(self, prompt: str | list[int]) -> _Prompt:
         if isinstance(prompt, str):
-            return _Prompt(self.tokenizer.encode(prompt), prompt)
+            self._check_prompt_chars(len(prompt), "prompt")
+            return _Prompt(await self.workers.run(self.tokenizer.encode, prompt), prompt)
         return _Prompt(list(prompt), None)
+
+    def _check_prompt_chars(self, chars: int, param: str) -> None:
+        """A prompt too long in characters for any tokenization to fit is refused unread (tokens: `_params`)."""
+        if chars > self.max_prompt_chars:
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your request has "
+                f"{chars} characters of input, more than {self.max_model_len} tokens can hold. Please reduce the "
+                f"length of the input messages.", param)
 
     def _params(self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
                 prompt_len: int) -> SamplingParams:
@@ -326,6 +344,13 @@ def _transfer_id_of(kv_params: RemoteDecode | RemotePrefill | None) -> str | Non
 def has_media(messages: list[dict[str, Any]]) -> bool:
     return any(isinstance(m.get("content"), list) and any(p.get("type") in IMAGE_PART_TYPES for p in m["content"])
                for m in messages)
+
+
+def message_chars(messages: list[dict[str, Any]]) -> int:
+    """Characters of text in the messages: string contents and text parts."""
+    contents = [m.get("content") for m in messages]
+    return sum(len(c) if isinstance(c, str) else sum(len(p["text"]) for p in c if isinstance(p.get("text"), str))
+               for c in contents if isinstance(c, (str, list)))
 
 
 def flatten_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
