@@ -84,7 +84,9 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from pdserve.instance import Instance
+    from pdserve.layers.linear import bound_onednn_caches
 
+    bound_onednn_caches()
     config = engine_config_from_args(args)
     instance = Instance(config, request_timeout_s=args.request_timeout, otlp_traces_endpoint=args.otlp_traces_endpoint,
                         max_request_body_bytes=args.max_request_body_bytes)
