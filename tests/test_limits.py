@@ -78,12 +78,14 @@ def test_chunked_oversized_body_is_refused_while_it_streams(stack, who):
     assert httpx.post(stack[who].url + "/v1/completions", json=TINY, timeout=120).status_code == 200
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_huge_prompt_is_refused_unread_while_others_are_served(stack, path):
+@pytest.mark.parametrize("form", ["text", "chat", "token_ids"])
+def test_huge_prompt_is_refused_unread_while_others_are_served(stack, form):
     url = stack["instance"].url
     text = "lorem ipsum dolor sit amet " * 370_000  # 10 MB: under the body limit, far over the context
-    body = {"model": "tiny", "max_tokens": 4}
-    body.update({"prompt": text} if path == "/v1/completions" else {"messages": [{"role": "user", "content": text}]})
+    path = "/v1/chat/completions" if form == "chat" else "/v1/completions"
+    body = {"model": "tiny", "max_tokens": 4, **{
+        "text": {"prompt": text}, "chat": {"messages": [{"role": "user", "content": text}]},
+        "token_ids": {"prompt": [1234] * 1_800_000}}[form]}  # 9 MB of JSON
     answers: dict[str, tuple[httpx.Response, float]] = {}
 
     def timed(name: str, method: str, target: str, **kwargs) -> None:
@@ -104,3 +106,14 @@ def test_huge_prompt_is_refused_unread_while_others_are_served(stack, path):
     latencies = {name: round(seconds, 2) for name, (_, seconds) in answers.items()}
     assert latencies["health"] < 5 and latencies["big"] < 30, latencies
     wait_until_idle(url)
+
+
+def test_prompt_within_the_character_bound_is_checked_exactly_in_tokens(stack, models):
+    from transformers import AutoTokenizer
+
+    text = "hello there " * 200  # well under the character bound, over 256 tokens
+    tokens = len(AutoTokenizer.from_pretrained(models("qwen2"))(text).input_ids)
+    r = httpx.post(stack["instance"].url + "/v1/completions", json={**TINY, "prompt": text}, timeout=120)
+    assert r.status_code == 400
+    assert (f"maximum context length is {MAX_MODEL_LEN} tokens. However, your request has {tokens} input tokens"
+            in r.json()["error"]["message"])

@@ -38,7 +38,8 @@ def error_response(exc: OpenAIError, headers: dict[str, str] | None = None) -> R
     return json_response(exc.body(), exc.status, headers)
 
 
-async def parse_body(request: Request, model: type[BaseModel], max_bytes: int) -> BaseModel:
+async def parse_body(request: Request, model: type[BaseModel], max_bytes: int,
+                     precheck: Callable[[dict], None] | None = None) -> BaseModel:
     try:
         raw = await read_body(request.scope, request.receive, max_bytes)
     except BodyTooLarge as exc:
@@ -51,6 +52,8 @@ async def parse_body(request: Request, model: type[BaseModel], max_bytes: int) -
         raise OpenAIError(400, f"malformed JSON body: {exc}") from exc
     if not isinstance(data, dict):
         raise OpenAIError(400, "the request body must be a JSON object")
+    if precheck is not None:
+        precheck(data)  # what can be refused before validation, which is slow for huge bodies
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -124,11 +127,12 @@ def build_app(engine: AsyncEngine, serving: OpenAIServing, metrics: ServerMetric
 
 
 async def openai_route(request: Request, model: type[BaseModel],
-                       handler: Callable[[Any, str, dict[str, str]], Awaitable[Any]], max_body_bytes: int) -> Response:
+                       handler: Callable[[Any, str, dict[str, str]], Awaitable[Any]], max_body_bytes: int,
+                       precheck: Callable[[dict], None] | None = None) -> Response:
     """Parse, run until the client leaves, and map every failure to its OpenAI-style error."""
     headers: dict[str, str] = {}
     try:
-        body = await parse_body(request, model, max_body_bytes)
+        body = await parse_body(request, model, max_body_bytes, precheck)
         external_id = external_request_id(request, getattr(body, "request_id", None))
         headers["X-Request-Id"] = external_id
         origin = Origin(external_id, time.time_ns(), request.headers.get("traceparent"))
@@ -147,9 +151,12 @@ async def openai_route(request: Request, model: type[BaseModel],
 
 
 def _add_openai_routes(app: FastAPI, serving: OpenAIServing, max_body_bytes: int) -> None:
+    limits = getattr(serving, "limits", None)  # an encode instance serves no completions
+    precheck = limits.check_unvalidated if limits is not None else None
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await openai_route(request, CompletionRequest, serving.completions, max_body_bytes)
+        return await openai_route(request, CompletionRequest, serving.completions, max_body_bytes, precheck)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

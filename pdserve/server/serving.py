@@ -28,6 +28,7 @@ from pdserve.multimodal.prompt import IMAGE_PART_TYPES, MultimodalInputError, Mu
 from pdserve.sampling_params import SamplingParams, SamplingParamsError
 from pdserve.server.errors import OpenAIError, bad_request, error_body
 from pdserve.server.kv_admission import KVAdmission, KVRequestParams, ParsedKV
+from pdserve.server.prompt_limits import PromptLimits, message_chars
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedFieldError
 from pdserve.server.workers import WorkerPool
 from pdserve.telemetry.timeline import Origin, Timeline, TimelineStore
@@ -35,9 +36,6 @@ from pdserve.tokenizer import Tokenizer, TokenizerError
 
 log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
-# Unicode normalizers (NFC, NFKC) may fold up to three characters into one before tokenizing: a prompt is refused
-# unread only when even that could not bring it within the context window.
-_NORMALIZATION_SLACK = 4
 
 
 @dataclass(slots=True)
@@ -72,7 +70,7 @@ class OpenAIServing:
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.max_prompt_chars = max_model_len * tokenizer.max_token_chars * _NORMALIZATION_SLACK
+        self.limits = PromptLimits(max_model_len, tokenizer.max_token_chars)
         self.kv = KVAdmission(kv_params)
         self.prompter = prompter  # set for multimodal models
 
@@ -114,7 +112,7 @@ class OpenAIServing:
 
     async def _chat_prompt(self, body: ChatCompletionRequest) -> _Prompt:
         messages = body.message_dicts()
-        self._check_prompt_chars(message_chars(messages), "messages")
+        self.limits.check_chars(message_chars(messages), "messages")
         template = {"add_generation_prompt": body.add_generation_prompt,
                     "continue_final_message": body.continue_final_message, "tools": body.tools,
                     "chat_template_kwargs": body.chat_template_kwargs}
@@ -145,25 +143,15 @@ class OpenAIServing:
 
     async def _completion_prompt(self, prompt: str | list[int]) -> _Prompt:
         if isinstance(prompt, str):
-            self._check_prompt_chars(len(prompt), "prompt")
+            self.limits.check_chars(len(prompt), "prompt")
             return _Prompt(await self.workers.run(self.tokenizer.encode, prompt), prompt)
         return _Prompt(list(prompt), None)
-
-    def _check_prompt_chars(self, chars: int, param: str) -> None:
-        """A prompt too long in characters for any tokenization to fit is refused unread (tokens: `_params`)."""
-        if chars > self.max_prompt_chars:
-            raise bad_request(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your request has "
-                f"{chars} characters of input, more than {self.max_model_len} tokens can hold. Please reduce the "
-                f"length of the input messages.", param)
 
     def _params(self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
                 prompt_len: int) -> SamplingParams:
         room = self.max_model_len - prompt_len
         if room <= 0:
-            raise bad_request(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your request has "
-                f"{prompt_len} input tokens. Please reduce the length of the input messages.", "messages")
+            raise self.limits.too_long(prompt_len)
         if max_tokens is not None and max_tokens > room:
             raise bad_request(
                 f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum context "
@@ -344,13 +332,6 @@ def _transfer_id_of(kv_params: RemoteDecode | RemotePrefill | None) -> str | Non
 def has_media(messages: list[dict[str, Any]]) -> bool:
     return any(isinstance(m.get("content"), list) and any(p.get("type") in IMAGE_PART_TYPES for p in m["content"])
                for m in messages)
-
-
-def message_chars(messages: list[dict[str, Any]]) -> int:
-    """Characters of text in the messages: string contents and text parts."""
-    contents = [m.get("content") for m in messages]
-    return sum(len(c) if isinstance(c, str) else sum(len(p["text"]) for p in c if isinstance(p.get("text"), str))
-               for c in contents if isinstance(c, (str, list)))
 
 
 def flatten_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
