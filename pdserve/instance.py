@@ -19,12 +19,14 @@ from pdserve.kv_transfer.factory import DEFAULT_CONNECTOR, build_connectors
 from pdserve.multimodal.media import MediaPolicy
 from pdserve.multimodal.prompt import MultimodalPrompter
 from pdserve.net.auth import bearer_header
+from pdserve.net.body import DEFAULT_MAX_BODY_BYTES
 from pdserve.server.app import build_app, json_response
 from pdserve.server.encode_serving import EncodeServing
 from pdserve.server.errors import error_body
 from pdserve.server.info import INFO_PATH, InstanceInfo, protocols_for
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.serving import OpenAIServing
+from pdserve.server.workers import WorkerPool
 from pdserve.telemetry.timeline import TimelineStore
 from pdserve.telemetry.tracing import make_exporter
 
@@ -37,9 +39,10 @@ ENGINE_FAILED_EXIT = 70
 class Instance:
     def __init__(self, config: EngineConfig, request_timeout_s: float = 600.0,
                  otlp_traces_endpoint: str | None = None, log_requests: bool = True,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         self.config = config
         self.log_requests = log_requests
+        self.max_request_body_bytes = max_request_body_bytes
         self.tracing = make_exporter(otlp_traces_endpoint, f"pdserve-{self._kv_role()}")
         self.timelines = TimelineStore(self.tracing)
         model = config.resolve_model()
@@ -50,6 +53,7 @@ class Instance:
         self.ec = build_ec_connector(config.ec_transfer_config)
         self.engine = LLMEngine(config, self.connectors, model, self.ec)
         self.async_engine = AsyncEngine(self.engine, request_timeout_s, on_fatal=_exit_now)
+        self.workers = WorkerPool()  # tokenizing and image decoding, off the event loop
 
     async def start(self, advertised_host: str = "127.0.0.1") -> FastAPI:
         self.async_engine.start()
@@ -60,7 +64,8 @@ class Instance:
             self.ec.start()
         serving = self._serving()
         metrics = ServerMetrics(self.config.model_name, self.engine.stats, self._extra_metrics(serving))
-        return build_app(self.async_engine, serving, metrics, self._extra_routes, self.log_requests)
+        return build_app(self.async_engine, serving, metrics, self._extra_routes, self.log_requests,
+                         self.max_request_body_bytes)
 
     def _extra_routes(self, app: FastAPI) -> None:
         info = self.info()
@@ -92,11 +97,12 @@ class Instance:
         if self.config.role == "encode":
             if prompter is None or self.ec is None:
                 raise ValueError("an encode instance needs a multimodal model and --ec-transfer-config")
-            return EncodeServing(self.async_engine, self.config.model_name, prompter, self.ec, self.timelines)
+            return EncodeServing(self.async_engine, self.config.model_name, prompter, self.ec, self.timelines,
+                                 self.workers)
         bundle = self.connectors
         return OpenAIServing(
             self.async_engine, self.config.model_name, self.engine.tokenizer, self.engine.max_model_len,
-            kv_params=bundle, prompter=prompter, role=self._kv_role(), timelines=self.timelines)
+            kv_params=bundle, prompter=prompter, role=self._kv_role(), timelines=self.timelines, workers=self.workers)
 
     def _kv_role(self) -> str:
         """The role this instance plays for KV: `--role`, or what `kv_role` in the transfer config implies."""
@@ -176,6 +182,7 @@ class Instance:
         if self.ec is not None:
             self.ec.stop()
         self.async_engine.stop()
+        self.workers.shutdown()
         if self.tracing is not None:
             self.tracing.shutdown()  # exports the spans still queued
 

@@ -32,6 +32,10 @@ class Tokenizer:
         self.backend = getattr(self.hf, "backend_tokenizer", None)
         self.eos_token_ids = self._eos_ids(Path(path))
         self.vocab_size = len(self.hf)
+        # The longest vocabulary entry: no token stands for more characters of text than this (byte-level entries
+        # spell one character per byte, and a character is at least one byte), which bounds a prompt's length in
+        # tokens from below without tokenizing it.
+        self.max_token_chars = max((len(t) for t in self.hf.get_vocab()), default=1)
 
     def _eos_ids(self, path: Path) -> tuple[int, ...]:
         ids = [] if self.hf.eos_token_id is None else [self.hf.eos_token_id]

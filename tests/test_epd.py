@@ -7,6 +7,8 @@ import base64
 import io
 import json
 import shutil
+import struct
+import zlib
 
 import httpx
 import numpy as np
@@ -101,6 +103,26 @@ def test_media_policy(llava, colocated, tmp_path):
         assert httpx.post(allowed.url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
     finally:
         allowed.stop()
+
+
+def png_claiming(width: int, height: int) -> str:
+    """A PNG data URL whose header claims width x height pixels (its few bytes of image data never decode)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+@pytest.mark.parametrize("size", [(100_000, 100_000), (9_000, 9_000)])
+def test_image_too_large_to_decode_is_refused(colocated, size):
+    body = chat([])
+    body["messages"][0]["content"].append({"type": "image_url", "image_url": {"url": png_claiming(*size)}})
+    r = httpx.post(colocated.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert "pixels" in r.json()["error"]["message"]
+    assert httpx.get(colocated.url + "/health", timeout=10).status_code == 200
 
 
 def ec_config(kind: str, role: str, store, **extra) -> str:

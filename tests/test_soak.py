@@ -1,6 +1,7 @@
 """The soak: every protocol through the gateway, faults injected, client aborts, every answer checked.
 
-tests/soak/run.py exits non-zero on a wrong answer, a hang, or anything left held on any instance after the drain.
+tests/soak/run.py exits non-zero on a wrong answer, a hang, anything left held on any instance after the drain, or an
+instance whose RSS grew by more than 25 % from the end of warm-up to the end.
 By default it runs a few seconds (what `make test` runs); `PDSERVE_SOAK_S=600` runs the ten-minute soak that
 docs/benchmarks.md records, and `PDSERVE_SOAK_OUT=DIR` keeps its JSON summary and every process's log there.
 """

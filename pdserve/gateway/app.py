@@ -15,29 +15,13 @@ from pdserve.ids import new_external_request_id
 from pdserve.net.auth import AccessGuard, AccessPolicy
 from pdserve.net.front import STATE_KEY, Front
 from pdserve.net.json_body import BodyError, decode_object
+from pdserve.net.body import BodyTooLarge, read_body
 from pdserve.server.errors import error_body
 
 log = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
 _PROXIED = ("/v1/completions", "/v1/chat/completions")
 _TIMELINE = "/v1/timeline/"
-MAX_BODY_BYTES = 64 << 20
-
-
-async def _read_body(receive: Any) -> bytes:
-    chunks = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ConnectionAbortedError
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise ValueError("request body too large")
-        chunks.append(chunk)
-        if not message.get("more_body"):
-            return b"".join(chunks)
 
 
 async def _respond(send: Any, status: int, body: bytes, content_type: bytes = b"application/json",
@@ -131,10 +115,10 @@ async def _proxy(gateway: Gateway, scope: dict, receive: Any, send: Any, path: s
     request_id = _header(scope, b"x-request-id") or new_external_request_id()
     scope["state"][STATE_KEY].request_id = request_id  # for the access log, even if the body is refused
     try:
-        raw = await _read_body(receive)
+        raw = await read_body(scope, receive, gateway.config.max_request_body_bytes)
     except ConnectionAbortedError:
         return
-    except ValueError as exc:
+    except BodyTooLarge as exc:
         await _error(send, 413, str(exc))
         return
     try:
@@ -173,10 +157,10 @@ async def _models(gateway: Gateway, send: Any) -> None:
 
 async def _membership(gateway: Gateway, scope: dict, receive: Any, send: Any, path: str) -> None:
     try:
-        raw = await _read_body(receive)
+        raw = await read_body(scope, receive, gateway.config.max_request_body_bytes)
     except ConnectionAbortedError:
         return
-    except ValueError as exc:
+    except BodyTooLarge as exc:
         await _error(send, 413, str(exc))
         return
     status, body = await membership(gateway, scope, raw, path)

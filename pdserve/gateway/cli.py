@@ -50,6 +50,8 @@ def add_gateway_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     p.add_argument("--prefix-threshold", type=float, default=None)
     p.add_argument("--tokenizer", default=None, help="tokenizer.json, for exact prompt lengths")
     p.add_argument("--allow-client-kv-params", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--max-request-body-bytes", type=int, default=None, metavar="BYTES",
+                   help="larger request bodies get 413 before they are read (default 32 MiB)")
     for flag in _DEADLINE_FLAGS:
         p.add_argument(f"--{flag.replace('_', '-')}", type=float, default=None, metavar="SECONDS")
     for flag, (_, kind, text) in _HEALTH_FLAGS.items():
@@ -80,7 +82,7 @@ def load_config(args: argparse.Namespace) -> GatewayConfig:
         values = json.loads(text) if args.config.suffix == ".json" else tomllib.loads(text)
     for name in ("prefill", "decode", "both", "encode", "protocol", "scheduling", "policy", "retries", "conditional",
                  "min_prompt_tokens", "prefix_threshold", "tokenizer", "allow_client_kv_params", "otlp_traces_endpoint",
-                 "api_key", "instance_api_key", "admin_token", "admin_port"):
+                 "api_key", "instance_api_key", "admin_token", "admin_port", "max_request_body_bytes"):
         value = getattr(args, name)
         if value is not None:
             values[name] = value

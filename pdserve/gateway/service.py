@@ -23,6 +23,7 @@ from pdserve.gateway.registry import Instance, Registry
 from pdserve.gateway.release import KVReleaser
 from pdserve.ids import TransferId
 from pdserve.net.auth import bearer_header, resolve_api_keys
+from pdserve.net.body import DEFAULT_MAX_BODY_BYTES
 from pdserve.net.http_client import HttpClient
 from pdserve.server.errors import error_body
 from pdserve.telemetry.timeline import TimelineStore
@@ -60,6 +61,7 @@ class GatewayConfig:
     instance_api_key: str | None = None  # sent to instances (default: the first api_key)
     admin_token: str | None = None  # Bearer token for /register and /deregister (else PDSERVE_ADMIN_TOKEN)
     admin_port: int | None = None  # or serve them on this loopback port
+    max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
 
 class Gateway:

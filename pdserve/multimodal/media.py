@@ -75,10 +75,16 @@ def _decode(data: bytes) -> Image.Image:
     if len(data) > MAX_IMAGE_BYTES:
         raise MediaError(f"image larger than {MAX_IMAGE_BYTES} bytes")
     try:
+        # Opening reads only the header: the size is checked before a pixel is decoded. PIL refuses far larger
+        # claims on its own (its limit is above ours), so both refusals say the same thing.
         image = Image.open(io.BytesIO(data))
         if image.width * image.height > MAX_IMAGE_PIXELS:
-            raise MediaError("image has too many pixels")
+            raise MediaError(f"image is {image.width}x{image.height} pixels; this server decodes images of at most "
+                             f"{MAX_IMAGE_PIXELS} pixels")
         image.load()
+    except Image.DecompressionBombError as exc:
+        raise MediaError(f"image dimensions exceed the {MAX_IMAGE_PIXELS} pixels this server decodes "
+                         f"(a possible decompression bomb)") from exc
     except (UnidentifiedImageError, OSError) as exc:
         raise MediaError(f"cannot decode image: {exc}") from exc
     return image

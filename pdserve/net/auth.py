@@ -1,7 +1,7 @@
 """Who may call what, for instances and the gateway alike (pure ASGI: the gateway imports no web framework).
 
 * Client endpoints take vLLM's `--api-key` (or `VLLM_API_KEY`): `Authorization: Bearer <key>`, else a 401
-  in OpenAI's error shape. /health, /ping, /load, /version and /metrics stay open, as in vLLM.
+  in OpenAI's error shape. /health, /ping, /load, /version and /metrics stay open, as in vLLM (and /v1/pdserve/info).
 * Admin endpoints (the gateway's /register and /deregister, an instance's /v1/kv/faults) change the cluster:
   they need `--admin-token` (Bearer), or must arrive on `--admin-port`, which listens on loopback only. With
   neither, they are off, and the refusal says how to turn them on. A key for clients is no admin token.
@@ -22,7 +22,9 @@ import msgspec
 from pdserve.server.errors import error_body
 
 log = logging.getLogger(__name__)
-PUBLIC_PATHS = frozenset({"/health", "/ping", "/load", "/version", "/metrics"})
+# /v1/pdserve/info is pdserve's /version (what the instance is): open like it, so that a gateway holding the wrong
+# key still learns what it talks to, and can tell its operator the key is wrong instead of calling the instance down.
+PUBLIC_PATHS = frozenset({"/health", "/ping", "/load", "/version", "/metrics", "/v1/pdserve/info"})
 ADMIN_TOKEN_ENV = "PDSERVE_ADMIN_TOKEN"
 
 

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from pdserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestTimeoutError
 from pdserve.ids import clean_request_id, new_external_request_id
+from pdserve.net.body import DEFAULT_MAX_BODY_BYTES, BodyTooLarge, read_body
 from pdserve.net.front import STATE_KEY, Front
 from pdserve.net.json_body import BodyError, decode_object
 from pdserve.server.errors import OpenAIError, error_body
@@ -26,8 +27,6 @@ from pdserve.telemetry.timeline import Origin
 
 log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
-
-MAX_BODY_BYTES = 64 << 20
 
 
 class ClientDisconnected(Exception):
@@ -42,14 +41,20 @@ def error_response(exc: OpenAIError, headers: dict[str, str] | None = None) -> R
     return json_response(exc.body(), exc.status, headers)
 
 
-async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise OpenAIError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+async def parse_body(request: Request, model: type[BaseModel], max_bytes: int,
+                     precheck: Callable[[dict], None] | None = None) -> BaseModel:
+    try:
+        raw = await read_body(request.scope, request.receive, max_bytes)
+    except BodyTooLarge as exc:
+        raise OpenAIError(413, str(exc)) from exc
+    except ConnectionAbortedError as exc:
+        raise ClientDisconnected() from exc
     try:
         data = decode_object(raw)
     except BodyError as exc:
         raise OpenAIError(400, str(exc)) from None
+    if precheck is not None:
+        precheck(data)  # what can be refused before validation, which is slow for huge bodies
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -113,11 +118,12 @@ async def guard_stream(request: Request, chunks: AsyncIterator[bytes]) -> AsyncI
 
 
 def build_app(engine: AsyncEngine, serving: OpenAIServing, metrics: ServerMetrics,
-              extra_routes: Callable[[FastAPI], None] | None = None, log_requests: bool = True) -> FastAPI:
+              extra_routes: Callable[[FastAPI], None] | None = None, log_requests: bool = True,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
     app.add_middleware(Front, log_requests=log_requests)
     engine.output_listeners.append(metrics.on_output)
-    _add_openai_routes(app, serving)
+    _add_openai_routes(app, serving, max_body_bytes)
     _add_info_routes(app, engine, serving, metrics)
     _add_error_handlers(app)
     if extra_routes is not None:
@@ -128,12 +134,13 @@ def build_app(engine: AsyncEngine, serving: OpenAIServing, metrics: ServerMetric
 
 
 async def openai_route(request: Request, model: type[BaseModel],
-                       handler: Callable[[Any, str, dict[str, str]], Awaitable[Any]]) -> Response:
+                       handler: Callable[[Any, str, dict[str, str]], Awaitable[Any]], max_body_bytes: int,
+                       precheck: Callable[[dict], None] | None = None) -> Response:
     """Parse, run until the client leaves, and map every failure to its OpenAI-style error."""
     minted = new_external_request_id()
     headers = {"X-Request-Id": request.headers.get("x-request-id") or minted}  # even a refused body has one
     try:
-        body = await parse_body(request, model)
+        body = await parse_body(request, model, max_body_bytes, precheck)
         external_id = external_request_id(request, getattr(body, "request_id", None), minted)
         headers["X-Request-Id"] = external_id
         origin = Origin(external_id, time.time_ns(), request.headers.get("traceparent"),
@@ -152,14 +159,17 @@ async def openai_route(request: Request, model: type[BaseModel],
     return StreamingResponse(guard_stream(request, result), media_type="text/event-stream", headers=headers)
 
 
-def _add_openai_routes(app: FastAPI, serving: OpenAIServing) -> None:
+def _add_openai_routes(app: FastAPI, serving: OpenAIServing, max_body_bytes: int) -> None:
+    limits = getattr(serving, "limits", None)  # an encode instance serves no completions
+    precheck = limits.check_unvalidated if limits is not None else None
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await openai_route(request, CompletionRequest, serving.completions)
+        return await openai_route(request, CompletionRequest, serving.completions, max_body_bytes, precheck)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await openai_route(request, ChatCompletionRequest, serving.chat)
+        return await openai_route(request, ChatCompletionRequest, serving.chat, max_body_bytes)
 
 
 def _add_info_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metrics: ServerMetrics) -> None:

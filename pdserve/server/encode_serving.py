@@ -18,13 +18,15 @@ from pdserve.multimodal.items import mm_hash_of
 from pdserve.multimodal.prompt import MultimodalInputError, MultimodalPrompter
 from pdserve.server.errors import OpenAIError, bad_request
 from pdserve.server.protocol import ChatCompletionRequest
+from pdserve.server.workers import WorkerPool
 from pdserve.telemetry.timeline import Origin, TimelineStore
 
 
 class EncodeServing:
     def __init__(self, engine: AsyncEngine, model_name: str, prompter: MultimodalPrompter, ec: ECConnector,
-                 timelines: TimelineStore | None = None) -> None:
+                 timelines: TimelineStore | None = None, workers: WorkerPool | None = None) -> None:
         self.engine = engine
+        self.workers = workers or WorkerPool()
         self.model_name = model_name
         self.max_model_len = engine.engine.max_model_len
         self.prompter = prompter
@@ -48,13 +50,13 @@ class EncodeServing:
         if body.model is not None and body.model != self.model_name:
             raise OpenAIError(404, f"The model `{body.model}` does not exist.", "model", "NotFoundError")
         try:
-            parts = await asyncio.to_thread(self.prompter.image_parts, body.message_dicts())
+            parts = await self.workers.run(self.prompter.image_parts, body.message_dicts())
         except MultimodalInputError as exc:
             raise bad_request(str(exc), "messages") from exc
         if not parts:
             raise bad_request("an encode instance needs at least one image", "messages")
         fingerprint = self.prompter.processor.settings_fingerprint()
-        hashes = [mm_hash_of(part, fingerprint) for part in parts]
+        hashes = await self.workers.run(lambda: [mm_hash_of(part, fingerprint) for part in parts])
         params: dict[str, dict[str, Any]] = {}
         pending: dict[str, Any] = {}
         for part, mm_hash in zip(parts, hashes, strict=True):
@@ -65,7 +67,7 @@ class EncodeServing:
                 params[mm_hash] = stored.to_wire()
                 self.reused += 1
             else:
-                pending[mm_hash] = self.prompter.processor(part.image)
+                pending[mm_hash] = await self.workers.run(self.prompter.processor, part.image)
         if pending:
             mark("encode_start", items=len(pending))
             outputs = await self.engine.call(lambda engine: engine.vision.encode(torch.stack(list(pending.values()))))

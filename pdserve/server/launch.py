@@ -11,6 +11,7 @@ from pathlib import Path
 
 from pdserve.config import DEFAULT_KV_CACHE_GIB, ROLES, EngineConfig
 from pdserve.net.auth import AccessGuard, AccessPolicy, resolve_admin_token, resolve_api_keys
+from pdserve.net.body import DEFAULT_MAX_BODY_BYTES
 from pdserve.net.listen import StartupError, bind_socket, freeze_startup_objects, serve_announced
 from pdserve.startup import STARTUP_ERRORS, exit_on_startup_error, json_object
 
@@ -60,6 +61,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed in the ready line)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds without progress before a request fails")
+    p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="BYTES",
+                   help="larger request bodies get 413 before they are read (default 32 MiB)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
                    type=str.lower, help="log level")
     p.add_argument("--disable-log-requests", action="store_true", help="no access-log line per request")
@@ -101,7 +104,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from pdserve.instance import Instance
+    from pdserve.layers.linear import bound_onednn_caches
 
+    bound_onednn_caches()
     config = engine_config_from_args(args)
     if not config.model.is_dir():
         raise StartupError(f"model folder {config.model} does not exist")
@@ -111,7 +116,8 @@ def _serve(args: argparse.Namespace) -> int:
     access = AccessPolicy(api_keys, resolve_admin_token(args.admin_token),
                           admin_sock.getsockname()[1] if admin_sock is not None else None, ADMIN_PATHS)
     instance = Instance(config, request_timeout_s=args.request_timeout, otlp_traces_endpoint=args.otlp_traces_endpoint,
-                        log_requests=not args.disable_log_requests, api_key=api_keys[0] if api_keys else None)
+                        log_requests=not args.disable_log_requests, api_key=api_keys[0] if api_keys else None,
+                        max_request_body_bytes=args.max_request_body_bytes)
     asyncio.run(serve_app(instance, sock, args.log_level, access, admin_sock))
     return 0
 

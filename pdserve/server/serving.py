@@ -28,7 +28,9 @@ from pdserve.multimodal.prompt import IMAGE_PART_TYPES, MultimodalInputError, Mu
 from pdserve.sampling_params import SamplingParams, SamplingParamsError
 from pdserve.server.errors import OpenAIError, bad_request, error_body
 from pdserve.server.kv_admission import KVAdmission, KVRequestParams, ParsedKV
+from pdserve.server.prompt_limits import PromptLimits, message_chars
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedFieldError
+from pdserve.server.workers import WorkerPool
 from pdserve.telemetry.timeline import Origin, Timeline, TimelineStore
 from pdserve.tokenizer import Tokenizer, TokenizerError
 
@@ -59,13 +61,16 @@ class _Sequence:
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, model_name: str, tokenizer: Tokenizer, max_model_len: int,
                  kv_params: KVRequestParams | None = None, prompter: MultimodalPrompter | None = None,
-                 role: str = "both", timelines: TimelineStore | None = None) -> None:
+                 role: str = "both", timelines: TimelineStore | None = None,
+                 workers: WorkerPool | None = None) -> None:
         self.engine = engine
+        self.workers = workers or WorkerPool()
         self.role = role
         self.timelines = timelines or TimelineStore()
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.limits = PromptLimits(max_model_len, tokenizer.max_token_chars)
         self.kv = KVAdmission(kv_params)
         self.prompter = prompter  # set for multimodal models
 
@@ -91,7 +96,8 @@ class OpenAIServing:
     async def _completions(self, body: CompletionRequest, kv: ParsedKV, origin: Origin,
                            headers: dict[str, str] | None) -> dict | AsyncIterator[bytes]:
         self._check_common(body)
-        prompts = [self._truncated(body, self._completion_prompt(p)) for p in body.prompts()]
+        prompts = [self._truncated(body, await self._completion_prompt(p, body.truncate_prompt_tokens is None))
+                   for p in body.prompts()]
         params = [self._params(body, body.max_tokens, len(p.token_ids)) for p in prompts]
         return await self._run("completion", body, kv, origin, prompts, params, headers)
 
@@ -107,6 +113,7 @@ class OpenAIServing:
 
     async def _chat_prompt(self, body: ChatCompletionRequest) -> _Prompt:
         messages = body.message_dicts()
+        self.limits.check_chars(message_chars(messages), "messages")
         template = {"add_generation_prompt": body.add_generation_prompt,
                     "continue_final_message": body.continue_final_message, "tools": body.tools,
                     "chat_template_kwargs": body.chat_template_kwargs}
@@ -114,9 +121,10 @@ class OpenAIServing:
             if self.prompter is not None and has_media(messages):
                 # Decoding and preprocessing images is real work: keep it off the event loop.
                 sources = parse_ec_params(body.ec_transfer_params)  # the one place they are read
-                token_ids, items = await asyncio.to_thread(self.prompter.build, messages, sources, **template)
+                token_ids, items = await self.workers.run(self.prompter.build, messages, sources, **template)
                 return _Prompt(token_ids, None, items)
-            return _Prompt(self.tokenizer.encode_chat(flatten_messages(messages), **template), None)
+            flat = flatten_messages(messages)
+            return _Prompt(await self.workers.run(self.tokenizer.encode_chat, flat, **template), None)
         except (TokenizerError, MultimodalInputError) as exc:
             raise bad_request(str(exc), "messages") from exc
 
@@ -149,18 +157,18 @@ class OpenAIServing:
             raise bad_request("truncate_prompt_tokens cannot cut a prompt with images", "truncate_prompt_tokens")
         return _Prompt(prompt.token_ids[len(prompt.token_ids) - keep:], None)
 
-    def _completion_prompt(self, prompt: str | list[int]) -> _Prompt:
+    async def _completion_prompt(self, prompt: str | list[int], bounded: bool = True) -> _Prompt:
         if isinstance(prompt, str):
-            return _Prompt(self.tokenizer.encode(prompt), prompt)
+            if bounded:  # a prompt the client wants truncated may be long: it is cut after tokenizing
+                self.limits.check_chars(len(prompt), "prompt")
+            return _Prompt(await self.workers.run(self.tokenizer.encode, prompt), prompt)
         return _Prompt(list(prompt), None)
 
     def _params(self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
                 prompt_len: int) -> SamplingParams:
         room = self.max_model_len - prompt_len
         if room <= 0:
-            raise bad_request(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your request has "
-                f"{prompt_len} input tokens. Please reduce the length of the input messages.", "messages")
+            raise self.limits.too_long(prompt_len)
         if max_tokens is not None and max_tokens > room:
             raise bad_request(
                 f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum context "

@@ -27,7 +27,8 @@ with no byte for `--request-timeout` seconds is a timeout (a hang).
 At the end the load stops, every instance must drain within `--drain-timeout` (no KV blocks in use, nothing running
 or waiting, no leases, transfer-map entries or push registrations left; gateways with nothing in flight), and the
 RSS (VmRSS, /proc/<pid>/status) of every process is compared with its value after warm-up. Exit status 1 if any
-answer was wrong, anything is left held, a process died, or a request ended uncleanly / hung.
+answer was wrong, anything is left held, a process died, a request ended uncleanly / hung, or an instance's RSS grew
+by more than `--max-rss-growth` (25 %) from the end of warm-up to the end.
 
     .venv/bin/python tests/soak/run.py --duration 20              # smoke run (or: PDSERVE_SOAK_S=20 pytest tests/test_soak.py)
     .venv/bin/python tests/soak/run.py --duration 600 --json bench/out/soak.json   # or PDSERVE_SOAK_S=600
@@ -761,6 +762,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--near-tie", type=float, default=1e-3,
                     help="reference top-2 logprob gap under which a divergence is a near tie, not a wrong answer")
     ap.add_argument("--rss-interval", type=float, default=10.0)
+    ap.add_argument("--max-rss-growth", type=float, default=0.25,
+                    help="fail if an instance's RSS grows by more than this fraction from warm-up to the end")
     ap.add_argument("--no-progress", dest="progress", action="store_false")
     ap.add_argument("--faults", type=json.loads, default=None,
                     help="JSON fault probabilities replacing the base mix (still scaled by --fault-rate)")
@@ -902,6 +905,10 @@ def _run(args: argparse.Namespace, protocols: list[str], procs: dict[str, Proces
         failures.append("state left held after the drain deadline")
     if dead:
         failures.append(f"processes died: {dead}")
+    grown = {n: round(memory[n]["growth_pct"], 1) for n in ("P", "D", "C")
+             if memory[n]["growth_pct"] is not None and memory[n]["growth_pct"] > 100 * args.max_rss_growth}
+    if grown:
+        failures.append(f"RSS grew more than {100 * args.max_rss_growth:g} % after warm-up: {grown} (%)")
     for bad in ("unclean", "timeout", "no_reference", "stuck_client_threads"):
         if o[bad]:
             failures.append(f"{o[bad]} {bad}")
