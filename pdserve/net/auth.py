@@ -1,7 +1,8 @@
 """Who may call what, for instances and the gateway alike (pure ASGI: the gateway imports no web framework).
 
 * Client endpoints take vLLM's `--api-key` (or `VLLM_API_KEY`): `Authorization: Bearer <key>`, else a 401
-  in OpenAI's error shape. /health, /ping, /load, /version and /metrics stay open, as in vLLM (and /v1/pdserve/info).
+  in OpenAI's error shape. /health, /ping, /load, /version and /metrics stay open, as in vLLM, and so does
+  /v1/pdserve/info.
 * Admin endpoints (the gateway's /register and /deregister, an instance's /v1/kv/faults) change the cluster:
   they need `--admin-token` (Bearer), or must arrive on `--admin-port`, which listens on loopback only. With
   neither, they are off, and the refusal says how to turn them on. A key for clients is no admin token.
