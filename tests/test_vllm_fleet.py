@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from server_utils import assert_json_equal, metric_values, sse_events
+from vllm_live import SERVED_NAME, ready, start_pd, start_vllm
 
 from pdserve.launcher import start, start_instance
-from server_utils import metric_values, sse_events
-from vllm_live import SERVED_NAME, ready, start_pd, start_vllm
 
 pytestmark = pytest.mark.vllm
 
@@ -136,22 +136,3 @@ def test_pdserve_streams_as_vllm_does(fleet, path, body):
         assert offsets == ref
     usage, ref_usage = got[-1]["usage"], expected[-1]["usage"]
     assert {k: usage[k] for k in ref_usage} == ref_usage
-
-
-def assert_json_equal(got, expected, shared_only: bool = False, path: str = "") -> None:
-    """Equal JSON, floats within 1e-4. With `shared_only`, a key only one side has must hold null there."""
-    if isinstance(got, dict) and isinstance(expected, dict):
-        for key in got.keys() & expected.keys():
-            assert_json_equal(got[key], expected[key], shared_only, f"{path}.{key}")
-        extra = {k: v for k, v in {**got, **expected}.items() if (k in got) != (k in expected)}
-        if shared_only:
-            extra = {k: v for k, v in extra.items() if v is not None}
-        assert not extra, f"{path}: fields only one side sends: {extra}"
-    elif isinstance(got, list) and isinstance(expected, list):
-        assert len(got) == len(expected), f"{path}: {got} != {expected}"
-        for i, (a, b) in enumerate(zip(got, expected, strict=True)):
-            assert_json_equal(a, b, shared_only, f"{path}[{i}]")
-    elif isinstance(got, float) or isinstance(expected, float):
-        assert got == pytest.approx(expected, abs=1e-4), path
-    else:
-        assert got == expected, f"{path}: {got!r} != {expected!r}"
