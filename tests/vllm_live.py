@@ -34,17 +34,29 @@ def vllm_venv() -> Path:
     """The vLLM venv, installed on first use; skips (or fails under CI=true) when it cannot be installed."""
     override = os.environ.get("PDSERVE_VLLM_VENV")
     venv = Path(override) if override else DEFAULT_VENV
-    if (venv / "bin" / "vllm").exists() and (override or (venv / ".installed").exists()):
-        return venv
+    if not ((venv / "bin" / "vllm").exists() and (override or (venv / ".installed").exists())):
+        _install("vLLM", str(venv))
+    return venv
+
+
+def torchvision_shim() -> Path:
+    """torchvision's Python part for vLLM's LLaVA (see scripts/install_vllm.sh), for that instance's PYTHONPATH."""
+    venv = vllm_venv()
+    shim = DEFAULT_VENV.parent / "vllm-torchvision"
+    if not (shim / ".installed").exists():
+        _install("torchvision for vLLM's LLaVA", "--torchvision-shim", str(shim), str(venv))
+    return shim
+
+
+def _install(what: str, *args: str) -> None:
     try:
-        subprocess.run(["bash", str(INSTALL_SCRIPT), str(venv)], check=True, capture_output=True, timeout=900,
+        subprocess.run(["bash", str(INSTALL_SCRIPT), *args], check=True, capture_output=True, timeout=900,
                        env={**os.environ, "PYTHON": getattr(sys, "_base_executable", sys.executable)})
     except (subprocess.SubprocessError, OSError) as exc:
-        detail = getattr(exc, "stderr", b"") or b""
+        detail = (getattr(exc, "stderr", b"") or b"").decode(errors="replace")[-3000:]
         if os.environ.get("CI") == "true":
-            raise RuntimeError(f"cannot install vLLM: {exc}\n{detail.decode(errors='replace')[-3000:]}") from exc
-        pytest.skip(f"cannot install vLLM: {exc}")
-    return venv
+            raise RuntimeError(f"cannot install {what}: {exc}\n{detail}") from exc
+        pytest.skip(f"cannot install {what}: {exc}")
 
 
 def nixl_config(role: str) -> str:
