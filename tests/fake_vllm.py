@@ -69,8 +69,12 @@ def make_app(args: argparse.Namespace) -> web.Application:
     async def health(request: web.Request) -> web.Response:
         return web.Response(status=200)
 
+    scrapes = [0]
+
     async def metrics(request: web.Request) -> web.Response:
-        return web.Response(text='vllm:num_requests_running{model_name="fake"} 0.0\n')
+        scrapes[0] += 1  # this read included
+        return web.Response(text=f'vllm:num_requests_running{{model_name="fake"}} 0.0\n'
+                                 f'fake:metrics_scrapes_total {scrapes[0]}\n')
 
     async def release(request: web.Request) -> web.Response:
         record(request, await request.json())
