@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import httpx
 import pytest
-
-from pdserve.launcher import start_instance
 from server_utils import assert_json_equal
 from test_epd import chat
 from vllm_live import SERVED_NAME, ready, start_vllm, torchvision_shim
+
+from pdserve.launcher import start_instance
 
 pytestmark = pytest.mark.vllm
 
