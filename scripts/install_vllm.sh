@@ -11,7 +11,31 @@
 #   platform): a dist-info alias answers both lookups.
 # * nixl-cu12 carries the UCX backend (it starts without CUDA); nixl --no-deps provides the `nixl` module vLLM
 #   imports without its meta dependencies (both CUDA variants and CUDA torch).
+#
+# scripts/install_vllm.sh --torchvision-shim DIR [VENV] installs what vLLM's LLaVA needs and nothing else uses:
+# torchvision's Python transforms (its image processors import them) into DIR, for PYTHONPATH of LLaVA instances
+# only. PyPI's torchvision is a CUDA build whose compiled ops fail to load against CPU torch ("operator
+# torchvision::nms does not exist"); DIR/sitecustomize.py defines the two ops its fake-tensor registrations
+# expect, as empty schemas, before torchvision imports. Text-only instances never see it.
 set -euo pipefail
+
+if [ "${1:-}" = "--torchvision-shim" ]; then
+    SHIM=$2
+    VENV=${3:-$(cd "$(dirname "$0")/.." && pwd)/.cache/vllm}
+    [ -f "$SHIM/.installed" ] && exit 0
+    rm -rf "$SHIM"
+    "$VENV/bin/python" -m pip --quiet install --no-deps --target "$SHIM" torchvision==0.28.0
+    cat > "$SHIM/sitecustomize.py" <<'EOF'
+import torch
+
+_ops = torch.library.Library("torchvision", "DEF")
+_ops.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+_ops.define("qnms(Tensor qdets, Tensor scores, float iou_threshold) -> Tensor")
+EOF
+    PYTHONPATH="$SHIM" "$VENV/bin/python" -c 'import torchvision.transforms.v2'
+    touch "$SHIM/.installed"
+    exit 0
+fi
 
 VENV=${1:-$(cd "$(dirname "$0")/.." && pwd)/.cache/vllm}
 PYTHON=${PYTHON:-python3}

@@ -85,9 +85,13 @@ def make_app(args: argparse.Namespace) -> web.Application:
         args.health_delay = float((await request.json())["seconds"])
         return web.json_response({"health_delay": args.health_delay})
 
+    scrapes = [0]
+
     async def metrics(request: web.Request) -> web.Response:
-        return web.Response(text='vllm:num_requests_running{model_name="fake"} 0.0\n'
-                                 'vllm:nixl_num_failed_transfers_total{model_name="fake"} 0.0\n')
+        scrapes[0] += 1  # this read included
+        return web.Response(text=f'vllm:num_requests_running{{model_name="fake"}} 0.0\n'
+                                 f'vllm:nixl_num_failed_transfers_total{{model_name="fake"}} 0.0\n'
+                                 f'fake:metrics_scrapes_total {scrapes[0]}\n')
 
     async def release(request: web.Request) -> web.Response:
         record(request, await request.json())

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 
@@ -88,3 +89,22 @@ def toy_proxy(client: httpx.Client, prefill_url: str, decode_url: str, path: str
     if p_json.get("kv_transfer_params"):
         decode_body["kv_transfer_params"] = p_json["kv_transfer_params"]
     return client.post(f"{decode_url}{path}", json=decode_body, headers=headers), p_json
+
+
+def assert_json_equal(got, expected, shared_only: bool = False, path: str = "") -> None:
+    """Equal JSON, floats within 1e-4. With `shared_only`, a key only one side has must hold null there."""
+    if isinstance(got, dict) and isinstance(expected, dict):
+        for key in got.keys() & expected.keys():
+            assert_json_equal(got[key], expected[key], shared_only, f"{path}.{key}")
+        extra = {k: v for k, v in {**got, **expected}.items() if (k in got) != (k in expected)}
+        if shared_only:
+            extra = {k: v for k, v in extra.items() if v is not None}
+        assert not extra, f"{path}: fields only one side sends: {extra}"
+    elif isinstance(got, list) and isinstance(expected, list):
+        assert len(got) == len(expected), f"{path}: {got} != {expected}"
+        for i, (a, b) in enumerate(zip(got, expected, strict=True)):
+            assert_json_equal(a, b, shared_only, f"{path}[{i}]")
+    elif isinstance(got, float) or isinstance(expected, float):
+        assert got == pytest.approx(expected, abs=1e-4), path
+    else:
+        assert got == expected, f"{path}: {got!r} != {expected!r}"

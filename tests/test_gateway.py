@@ -382,3 +382,18 @@ def test_prefix_aware_is_sticky_until_imbalanced():
     assert all(policy.pick([a, b], b"same prefix") is first for _ in range(5))
     first.in_flight = 10
     assert policy.pick([a, b], b"same prefix") is not first
+
+
+def test_load_is_scraped_only_where_it_decides_something(recorded):
+    """Two P: least_loaded picks between them by their scraped load. One D: nothing to pick, so it is not polled."""
+    start_fake, _ = recorded
+    fakes = {name: start_fake(name) for name in ("P1", "P2", "D")}
+    g = gateway("--prefill", fakes["P1"].url, fakes["P2"].url, "--decode", fakes["D"].url)
+    try:
+        deadline = time.monotonic() + 30
+        while metric_values(fakes["P1"].url)["fake:metrics_scrapes_total"] < 6 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert metric_values(fakes["P2"].url)["fake:metrics_scrapes_total"] >= 3
+        assert metric_values(fakes["D"].url)["fake:metrics_scrapes_total"] == 1  # this read alone
+    finally:
+        g.stop()

@@ -13,15 +13,16 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
+from peers import free_port, wait_healthy
 
-from peers import free_port
+from pdserve.launcher import Process
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_VENV = ROOT / ".cache" / "vllm"
@@ -33,16 +34,29 @@ def vllm_venv() -> Path:
     """The vLLM venv, installed on first use; skips (or fails under CI=true) when it cannot be installed."""
     override = os.environ.get("PDSERVE_VLLM_VENV")
     venv = Path(override) if override else DEFAULT_VENV
-    if (venv / "bin" / "vllm").exists() and (override or (venv / ".installed").exists()):
-        return venv
-    try:
-        subprocess.run(["bash", str(INSTALL_SCRIPT), str(venv)], check=True, capture_output=True, timeout=900)
-    except (subprocess.SubprocessError, OSError) as exc:
-        detail = getattr(exc, "stderr", b"") or b""
-        if os.environ.get("CI") == "true":
-            raise RuntimeError(f"cannot install vLLM: {exc}\n{detail.decode(errors='replace')[-3000:]}") from exc
-        pytest.skip(f"cannot install vLLM: {exc}")
+    if not ((venv / "bin" / "vllm").exists() and (override or (venv / ".installed").exists())):
+        _install("vLLM", str(venv))
     return venv
+
+
+def torchvision_shim() -> Path:
+    """torchvision's Python part for vLLM's LLaVA (see scripts/install_vllm.sh), for that instance's PYTHONPATH."""
+    venv = vllm_venv()
+    shim = DEFAULT_VENV.parent / "vllm-torchvision"
+    if not (shim / ".installed").exists():
+        _install("torchvision for vLLM's LLaVA", "--torchvision-shim", str(shim), str(venv))
+    return shim
+
+
+def _install(what: str, *args: str) -> None:
+    try:
+        subprocess.run(["bash", str(INSTALL_SCRIPT), *args], check=True, capture_output=True, timeout=900,
+                       env={**os.environ, "PYTHON": getattr(sys, "_base_executable", sys.executable)})
+    except (subprocess.SubprocessError, OSError) as exc:
+        detail = (getattr(exc, "stderr", b"") or b"").decode(errors="replace")[-3000:]
+        if os.environ.get("CI") == "true":
+            raise RuntimeError(f"cannot install {what}: {exc}\n{detail}") from exc
+        pytest.skip(f"cannot install {what}: {exc}")
 
 
 def nixl_config(role: str) -> str:
@@ -51,43 +65,13 @@ def nixl_config(role: str) -> str:
 
 
 @dataclass
-class VllmInstance:
-    name: str
-    popen: subprocess.Popen
-    port: int
-    side_channel_port: int | None
-    log_path: Path
-    _stopped: bool = field(default=False, repr=False)
+class VllmInstance(Process):
+    """A `vllm serve` process; its engine core and helpers live in its session and are stopped with it."""
 
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def log_tail(self, chars: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
+    side_channel_port: int | None = None
 
     def stop(self, timeout: float = 20.0) -> None:
-        """SIGTERM the server, then SIGKILL what is left of its session (the engine-core child included)."""
-        if self._stopped:
-            return
-        self._stopped = True
-        if self.alive():
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        # The session is ours (start_new_session=True at launch): the engine core and its helpers share its id.
+        super().stop(timeout)
         deadline = time.monotonic() + 10
         while (members := session_members(self.pid)) and time.monotonic() < deadline:
             for pid in members:
@@ -96,12 +80,6 @@ class VllmInstance:
                 except ProcessLookupError:
                     pass
             time.sleep(0.1)
-        if self.alive():
-            self.popen.wait(10)
-        try:
-            self.log_path.unlink()
-        except OSError:
-            pass
 
 
 def session_members(sid: int) -> list[int]:
@@ -163,7 +141,7 @@ def start_vllm(model: Path | str, *, role: str | None = None, name: str = "vllm"
     with open(log_name, "wb") as log:
         popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  env=vllm_env(side_channel, env), start_new_session=True)
-    instance = VllmInstance(name, popen, port, side_channel, Path(log_name))
+    instance = VllmInstance(name, popen, {"port": port}, Path(log_name), side_channel_port=side_channel)
     if wait:
         ready(instance, timeout)
     return instance
@@ -186,23 +164,12 @@ def start_pd(model: Path | str, **kwargs) -> tuple[VllmInstance, VllmInstance]:
 def ready(instance: VllmInstance, timeout: float = 300.0) -> VllmInstance:
     """Wait until `instance` answers /health; stop it and raise with its log tail if it does not."""
     try:
-        _wait_healthy(instance, timeout)
-    except BaseException:
+        wait_healthy(instance.url, instance.popen, timeout)
+    except (RuntimeError, TimeoutError):  # wait_healthy: exited, or no answer in time
         tail = instance.log_tail()
         instance.stop()
         raise RuntimeError(f"vLLM {instance.name} did not become healthy:\n{tail}") from None
+    except BaseException:  # a Ctrl-C while waiting must not leave vLLM running either
+        instance.stop()
+        raise
     return instance
-
-
-def _wait_healthy(instance: VllmInstance, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not instance.alive():
-            raise RuntimeError(f"exited with code {instance.popen.returncode}")
-        try:
-            if httpx.get(f"{instance.url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise TimeoutError(f"not healthy after {timeout} s")

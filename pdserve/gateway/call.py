@@ -329,9 +329,14 @@ def _carries_usage(event: bytes) -> bool:
 def merged_usage(prefill: dict[str, Any], decode: dict[str, Any]) -> dict[str, Any]:
     prompt = prefill.get("prompt_tokens", decode.get("prompt_tokens", 0))
     completion = decode.get("completion_tokens", 0)
-    cached = (prefill.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return {**decode, "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {**(decode.get("prompt_tokens_details") or {}), "cached_tokens": cached}}
+    merged = {**decode, "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    # The prompt's cache hits happened on P. Details stay as the backends sent them: vLLM sends null unless it runs
+    # with --enable-prompt-tokens-details, and a client must see that null, not an invented zero.
+    details = prefill.get("prompt_tokens_details")
+    if isinstance(details, dict) and "cached_tokens" in details:
+        merged["prompt_tokens_details"] = {**(decode.get("prompt_tokens_details") or {}),
+                                           "cached_tokens": details["cached_tokens"]}
+    return merged
 
 
 class SSEFramer:

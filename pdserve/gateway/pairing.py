@@ -56,8 +56,9 @@ class Pairing:
         if not self.paired or self.has_pair():
             return
         instances = [i for i in self.registry.instances.values() if i.serves("prefill") or i.serves("decode")]
-        if not instances or any(i.caps is None for i in instances):
-            return  # some are not up yet: they may still complete a pair, and requests get a 503 until then
+        if any(i.caps is None for i in instances) or not all(any(i.serves(r) for i in instances)
+                                                             for r in ("prefill", "decode")):
+            return  # some are not up yet, or a role awaits /register: a pair may still form; 503s until then
         listing = "; ".join(f"{i.role} {i.url}: {_describe(i)}" for i in instances)
         raise NoPairError(f"no prefill/decode pair in this pool can serve the {self.protocol} protocol ({_HINT}): "
                           f"{listing}")

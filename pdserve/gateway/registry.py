@@ -149,8 +149,17 @@ class Registry:
 
     async def _scrape_loop(self) -> None:
         while True:
-            await asyncio.gather(*(self._scrape(i) for i in list(self.instances.values()) if i.healthy))
+            await asyncio.gather(*(self._scrape(i) for i in list(self.instances.values())
+                                   if i.healthy and self._contested(i)))
             await asyncio.sleep(self.scrape_interval_s)
+
+    def _contested(self, instance: Instance) -> bool:
+        """Load only decides between instances that can take the same leg. An instance alone in its roles is not
+        scraped: vLLM's /metrics is ~60 KB, and at a few requests a second polling it five times a second would
+        cost the gateway more CPU than the requests do."""
+        roles = [role for role in ("prefill", "decode", "encode") if instance.serves(role)]
+        return any(other is not instance and other.serves(role)
+                   for other in list(self.instances.values()) for role in roles)
 
     async def _scrape(self, instance: Instance) -> None:
         try:

@@ -62,7 +62,16 @@ async def parse_body(request: Request, model: type[BaseModel], max_bytes: int,
         # A value that fits no member of a union fails each: name the member whose type it had, if any.
         first = next((e for e in errors if not e["type"].endswith("_type")), errors[0])
         where = ".".join(str(p) for p in first.get("loc", ())) or None
-        raise OpenAIError(400, f"invalid request: {where}: {first.get('msg')}", where) from exc
+        raise OpenAIError(400, f"invalid request: {where}: {first.get('msg')}", _param(first.get("loc", ()))) from exc
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+
+
+def _param(loc: tuple) -> str | None:
+    """The field a client can act on: pydantic's location without the union-member tags it adds (list[str]...)."""
+    names = [str(p) for p in loc if not (isinstance(p, str) and ("[" in p or "-" in p or p in _TYPE_TAGS))]
+    return ".".join(names) or None
 
 
 def external_request_id(request: Request, body_id: str | None = None, minted: str | None = None) -> str:

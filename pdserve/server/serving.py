@@ -28,6 +28,7 @@ from pdserve.multimodal.prompt import IMAGE_PART_TYPES, MultimodalInputError, Mu
 from pdserve.sampling_params import SamplingParams, SamplingParamsError
 from pdserve.server.errors import OpenAIError, bad_request, error_body
 from pdserve.server.kv_admission import KVAdmission, KVRequestParams, ParsedKV
+from pdserve.server.logprobs import LogprobsFormatter
 from pdserve.server.prompt_limits import PromptLimits, message_chars
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedFieldError
 from pdserve.server.workers import WorkerPool
@@ -55,6 +56,7 @@ class _Sequence:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    text_offset: int = 0  # where the next streamed logprobs chunk starts, in characters of token strings
     final: RequestOutput | None = None
 
 
@@ -69,6 +71,7 @@ class OpenAIServing:
         self.timelines = timelines or TimelineStore()
         self.model_name = model_name
         self.tokenizer = tokenizer
+        self.logprobs = LogprobsFormatter(tokenizer)
         self.max_model_len = max_model_len
         self.limits = PromptLimits(max_model_len, tokenizer.max_token_chars)
         self.kv = KVAdmission(kv_params)
@@ -242,10 +245,11 @@ class OpenAIServing:
                 if body.echo:
                     text = (prompt.text if prompt.text is not None else self.tokenizer.decode(prompt.token_ids)) + text
                 choice["text"] = text
-                choice["logprobs"] = self._completion_logprobs(seq.logprobs) if body.logprobs is not None else None
+                choice["logprobs"] = (self.logprobs.completion(seq.logprobs, [])
+                                      if body.logprobs is not None else None)
             else:
                 choice["message"] = {"role": "assistant", "content": seq.text}
-                choice["logprobs"] = self._chat_logprobs(seq.logprobs) if body.logprobs else None
+                choice["logprobs"] = self.logprobs.chat(seq.logprobs, [], body.top_logprobs or 0) if body.logprobs else None
             if body.return_token_ids:
                 choice["token_ids"] = seq.token_ids
                 if kind == "completion":
@@ -300,48 +304,23 @@ class OpenAIServing:
 
     def _stream_choice(self, kind: str, body: Any, seq: _Sequence, out: RequestOutput) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": seq.choice_index}
+        # The tokens sampled before this chunk's (already absorbed into `seq`) decide how a split character reads.
+        context = [lp.token_id for lp in seq.logprobs[:len(seq.logprobs) - len(out.new_logprobs)]]
         if kind == "completion":
             choice["text"] = out.new_text
-            choice["logprobs"] = self._completion_logprobs(out.new_logprobs) if body.logprobs is not None else None
+            choice["logprobs"] = None
+            if body.logprobs is not None:
+                choice["logprobs"] = self.logprobs.completion(out.new_logprobs, context, seq.text_offset)
+                seq.text_offset += sum(len(token) for token in choice["logprobs"]["tokens"])
         else:
             choice["delta"] = {"content": out.new_text} if out.new_text or not out.finished else {}
-            choice["logprobs"] = self._chat_logprobs(out.new_logprobs) if body.logprobs else None
+            choice["logprobs"] = (self.logprobs.chat(out.new_logprobs, context, body.top_logprobs or 0)
+                                  if body.logprobs else None)
         if body.return_token_ids:
             choice["token_ids"] = out.new_token_ids
         choice["finish_reason"] = out.finish_reason if out.finished else None
         choice["stop_reason"] = out.stop_reason if out.finished else None
         return choice
-
-    # -- logprobs formats -------------------------------------------------------------------------------
-    def _completion_logprobs(self, logprobs: list[TokenLogprobs]) -> dict[str, Any]:
-        text = self.tokenizer.token_text
-        tokens, values, tops = [], [], []
-        for lp in logprobs:
-            tokens.append(text(lp.token_id))
-            values.append(lp.logprob)
-            top = {text(t): v for t, v in zip(lp.top_ids, lp.top_logprobs, strict=True)}
-            top.setdefault(text(lp.token_id), lp.logprob)
-            tops.append(top)
-        offsets, at = [], 0
-        for token in tokens:
-            offsets.append(at)
-            at += len(token)
-        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
-
-    def _chat_logprobs(self, logprobs: list[TokenLogprobs]) -> dict[str, Any]:
-        text = self.tokenizer.token_text
-
-        def entry(token_id: int, value: float) -> dict[str, Any]:
-            token = text(token_id)
-            return {"token": token, "logprob": value, "bytes": list(token.encode("utf-8"))}
-
-        content = []
-        for lp in logprobs:
-            item = entry(lp.token_id, lp.logprob)
-            item["top_logprobs"] = [entry(t, v) for t, v in zip(lp.top_ids, lp.top_logprobs, strict=True)]
-            content.append(item)
-        return {"content": content}
-
 
 # -- helpers ----------------------------------------------------------------------------------------------
 def _transfer_id_of(kv_params: RemoteDecode | RemotePrefill | None) -> str | None:
