@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.ids import TransferId
+
 # Enough for every request of a long benchmark run; older ones are forgotten first.
 DEFAULT_CAPACITY = 4096
 
@@ -29,7 +31,7 @@ class Timeline:
     request_id: str
     role: str
     internal_request_id: str | None = None
-    transfer_id: str | None = None
+    transfer_id: TransferId | None = None
     events: list[tuple[str, int, dict[str, Any]]] = field(default_factory=list)
     traceparent: str | None = None  # the W3C trace context this request arrived with, if any
     on_finish: Callable[[Timeline], None] | None = None  # the exporter's hook (tracing on)
