@@ -69,17 +69,19 @@ def from_info(info: InstanceInfo) -> Capabilities:
 async def learn(pool: HttpPool, previous: Capabilities | None) -> Capabilities | None:
     """The instance's capabilities, or None when it could not be asked (unreachable, slow, unreadable)."""
     try:
+        if previous is not None and previous.engine == VLLM:  # the usual probe: the same vLLM as last time
+            status, body = await _get(pool, "/version")
+            if status == 200 and _version(body) == previous.version:
+                return previous
         status, body = await _get(pool, INFO_PATH)
         if status == 200:
             return from_info(decode_info(body))
         if status != 404:
             return None
         status, body = await _get(pool, "/version")
-        version = str(msgspec.json.decode(body).get("version", "")) if status == 200 else ""
+        version = _version(body) if status == 200 else ""
         if not version:
             return Capabilities("unknown", "", None)  # it may still take releases: they are tried
-        if previous is not None and previous.engine == VLLM and previous.version == version:
-            return previous  # the connector is fixed for a process's life; /metrics is large
         status, body = await _get(pool, "/metrics")
         if status != 200:
             return None
@@ -92,6 +94,10 @@ async def learn(pool: HttpPool, previous: Capabilities | None) -> Capabilities |
     connector = VLLM_NIXL if _NIXL_METRIC in body else None
     return Capabilities(VLLM, version, connector, protocols=frozenset(VLLM_PROTOCOLS.get(connector, ())),
                         takes_releases=False)
+
+
+def _version(body: bytes) -> str:
+    return str(msgspec.json.decode(body).get("version", ""))
 
 
 async def _get(pool: HttpPool, path: str) -> tuple[int, bytes]:
