@@ -202,19 +202,13 @@ def parse_kv_params(params: Any, max_blocks: int) -> KVTransferParams | None:
         if not url.startswith("http://"):
             raise KVParamsError("kv_transfer_params.remote_prefill_url must be an http:// URL")
         return DecodeFirst(url.rstrip("/"), transfer_id)
-    return _foreign(params, transfer_id) or _remote_prefill(params, transfer_id, max_blocks)
+    prefill = _remote_prefill(params, transfer_id, max_blocks)
+    if prefill.mode == "pull" and not prefill.token:
+        # pdserve's producers hand out a transfer token with every pull: well-formed block ids without one were
+        # handed out by another engine (vLLM NIXL's shape), whose side channel this instance must never dial.
+        return ForeignPrefill(prefill.engine_id, "no pdserve transfer_token")
+    return prefill
 
-
-def _foreign(params: dict[str, Any], transfer_id: TransferId | None) -> ForeignPrefill | None:
-    """pdserve's producers hand out a transfer token with every pull and the gateway a transfer id with every
-    push; parameters without them were made by another engine, whatever else they hold."""
-    engine_id = params.get("remote_engine_id")
-    engine_id = engine_id if isinstance(engine_id, str) else None
-    if params.get("remote_block_ids") is not None and not params.get("transfer_token"):
-        return ForeignPrefill(engine_id, "no pdserve transfer_token")
-    if params.get("remote_block_ids") is None and transfer_id is None:
-        return ForeignPrefill(engine_id, "no remote_block_ids and no pdserve transfer_id")
-    return None
 
 
 def _remote_prefill(params: dict[str, Any], transfer_id: TransferId | None, max_blocks: int) -> RemotePrefill:
