@@ -2,7 +2,7 @@
 
 It answers a prefill leg the way vLLM's NIXL producer does (one token, top-level kv_transfer_params) and any
 other completion with a short answer (JSON, or SSE when asked to stream). It can be told to fail every POST
-with a status, or to hang on POSTs, so gateway behaviour under failures can be tested; to answer one prompt with
+with a status, to hang on POSTs, or to admit a stream and die before its first token, so gateway behaviour under failures can be tested; to answer one prompt with
 a 500 and then close the connection (what uvicorn does after an unhandled exception in the app); to answer
 /health late while serving everything else at once (a busy vLLM's event loop; also switchable at run time with
 `POST /fake/health-delay {"seconds": S}`); and to listen on a given port, so that a killed fake can be
@@ -14,6 +14,7 @@ be paired with a real pdserve prefill instance.
 
     python tests/fake_vllm.py --record FILE [--fail-status 503] [--hang] [--engine-id ID] [--kind vllm|pdserve]
                               [--poison PROMPT] [--health-delay SECONDS] [--port PORT]
+                              [--die-after-headers]
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ def make_app(args: argparse.Namespace) -> web.Application:
         if body.get("stream"):
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await response.prepare(request)
+            if args.die_after_headers:  # a D that admitted the request and died while loading P's KV
+                request.transport.close()
+                return response
             for i, piece in enumerate([" a", " b", " c"]):
                 finish = "length" if i == 2 else None
                 chunk = {"id": "cmpl-fake", "object": "text_completion", "created": 0, "model": body.get("model"),
@@ -149,6 +153,7 @@ if __name__ == "__main__":
     parser.add_argument("--record", required=True)
     parser.add_argument("--fail-status", type=int, default=0)
     parser.add_argument("--hang", action="store_true")
+    parser.add_argument("--die-after-headers", action="store_true")
     parser.add_argument("--engine-id", default="fake-engine")
     parser.add_argument("--kind", choices=["vllm", "pdserve"], default="vllm")
     parser.add_argument("--poison", default=None)

@@ -285,6 +285,24 @@ def test_decode_failure_releases_prefill_kv_and_retries_fresh(cluster, recorded)
         g.stop()
 
 
+def test_a_decode_that_dies_after_admitting_a_stream_leaves_nothing_held(cluster, recorded):
+    """D answered 200 for a stream (so it admitted the request) and died before its first token, i.e. while it
+    still loads P's KV: P's KV is freed by the gateway's release, not left to the 30 s lease."""
+    start_fake, _ = recorded
+    dying_d = start_fake("D", "--die-after-headers", "--kind", "pdserve")
+    g = gateway("--prefill", cluster["P1"].url, "--decode", dying_d.url, "--retries", "0")
+    try:
+        before = metric_values(cluster["P1"].url)
+        with httpx.stream("POST", g.url + "/v1/completions", timeout=30,
+                          json={"prompt": list(range(40)), "max_tokens": 5, "stream": True}) as r:
+            text = "".join(r.iter_text())
+        assert "error" in text  # the client hears of it, in the stream or as the answer
+        after = wait_until_idle(cluster["P1"].url, timeout=5)  # far sooner than the 30 s lease
+        assert after["pdserve:kv_releases_received_total"] - before["pdserve:kv_releases_received_total"] == 1
+    finally:
+        g.stop()
+
+
 def test_no_release_is_sent_to_vllm_nor_counted(recorded):
     """vLLM has no endpoint to free held KV (its lease frees it): when D refuses, the gateway sends vLLM P no
     release, counts none as made, counts each as not made with the reason, and says so once per instance."""

@@ -169,12 +169,12 @@ class Call:
             if response.status != 200:
                 raw = await response.read(d.first_token_s)
                 raise self._status_error(leg, instance, response.status, raw)
-            self.held = None  # D admitted the request: releasing P's KV is now D's business (read-done or abort)
             self.stage = Stage.STREAMING
             if self.stream:
                 await self._relay_stream(leg, instance, response, sent_at)
             else:
                 raw = await response.read(d.first_token_s)
+                self.held = None  # D answered: it loaded P's KV (and said read-done) or gave it up itself
                 self.timings["decode_first_token"] = time.monotonic() - sent_at
                 self.mark("leg_first_byte", leg=leg, url=instance.url)
                 await self.respond_json(200, self.merge_usage(raw))
@@ -191,6 +191,10 @@ class Call:
         async for chunk in response.chunks(self.gateway.deadlines.idle_s):
             instance.breaker.alive()  # a stream that flows is the best proof of life (health checks may lag)
             if "decode_first_token" not in self.timings:
+                # D's first token means it loaded P's KV (and said read-done) or gave it up itself: from here,
+                # freeing P is D's business. Before it, a D that dies after admitting the request (headers sent,
+                # KV still loading) leaves P's KV to this call's release, not to the lease.
+                self.held = None
                 self.timings["decode_first_token"] = time.monotonic() - sent_at
                 self.mark("leg_first_byte", leg=leg, url=instance.url)
             events = framer.feed(chunk)
