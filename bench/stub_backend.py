@@ -38,7 +38,9 @@ STREAM_BODY = b"".join(
     + t + b'","finish_reason":' + f + b"}]}\n\n" for t, f in ((b" a", b"null"), (b" b", b"null"), (b" c", b"null"),
                                                                 (b" d", b'"length"'))) + b"data: [DONE]\n\n"
 METRICS = (b"vllm:num_requests_running{model_name=\"stub\"} 0.0\nvllm:num_requests_waiting{model_name=\"stub\"} 0.0\n"
-           b"vllm:kv_cache_usage_perc{model_name=\"stub\"} 0.0\n")
+           b"vllm:kv_cache_usage_perc{model_name=\"stub\"} 0.0\n"
+           # vLLM's NixlConnector adds its metrics: the gateway learns from them that the stub takes part in pull.
+           b"vllm:nixl_num_failed_transfers_total{model_name=\"stub\"} 0.0\n")
 
 
 def response(status: bytes, body: bytes, content_type: bytes = b"application/json") -> bytes:
@@ -53,6 +55,8 @@ RESPONSES = {
     "health": response(b"200 OK", b""),
     "metrics": response(b"200 OK", METRICS, b"text/plain"),
     "models": response(b"200 OK", b'{"object":"list","data":[{"id":"stub","object":"model"}]}'),
+    "version": response(b"200 OK", b'{"version":"0.32.0"}'),  # it answers as vLLM does
+    "not_found": response(b"404 Not Found", b'{"detail":"Not Found"}'),
 }
 
 
@@ -86,6 +90,10 @@ class StubProtocol(asyncio.Protocol):
             kind = "metrics"
         elif url.startswith(b"/v1/models"):
             kind = "models"
+        elif url.startswith(b"/version"):
+            kind = "version"
+        elif url.startswith(b"/v1/pdserve/info"):
+            kind = "not_found"
         elif b"do_remote_decode\":true" in body.replace(b" ", b""):
             kind = "prefill"
         elif b"\"stream\":true" in body.replace(b" ", b""):

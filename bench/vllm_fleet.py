@@ -8,9 +8,10 @@ with the NIXL P/D protocol (P prefills and holds, D reads P's blocks). Interleav
 * c16: 16 client threads, non-streaming; the router's CPU per request = its process tree's CPU time over the run
        (/proc/<pid>/task/*/schedstat: ns resolution; /proc/<pid>/stat's utime+stime counts 10 ms ticks, too coarse
        for the few requests vLLM-CPU answers per second) divided by the requests answered.
-* idle: each router's CPU over an idle window. The pdserve gateway scrapes every instance's /metrics 5 times a
-       second (vLLM's is ~60 KB) and probes /health every second; at the 1-3 requests per second vLLM-CPU serves
-       here, that background work is a large share of its CPU per request, so "net" subtracts the idle rate.
+* idle: each router's CPU over an idle window. The pdserve gateway probes /health (and /version, to know what
+       each instance is) every second, and scrapes /metrics only where load decides between instances; at the 1-3
+       requests per second vLLM-CPU serves here, that background work is a large share of its CPU per request, so
+       "net" subtracts the idle rate.
 
 Both vLLM processes busy-poll a core each (NIXL's UCX progress thread), so on a small box every figure is
 noisy: compare the two routers round by round, not against other tables.
