@@ -6,14 +6,12 @@ Who may call them at all is decided before (pdserve/net/auth.py: an admin token 
 
 from __future__ import annotations
 
-import asyncio
-import ipaddress
 import logging
-import socket
 from typing import Any
 from urllib.parse import urlsplit
 
 from pdserve.gateway.registry import Instance
+from pdserve.net.addresses import resolve
 from pdserve.net.auth import peer
 from pdserve.net.json_body import decode_object
 from pdserve.server.errors import error_body
@@ -30,13 +28,10 @@ async def refused_target(url: str) -> str | None:
     if not parts.hostname:
         return None  # malformed: the registry says how
     try:
-        infos = await asyncio.get_running_loop().getaddrinfo(parts.hostname, parts.port, type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError) as exc:
+        addresses = await resolve(parts.hostname, parts.port)
+    except OSError as exc:
         return f"cannot resolve {parts.hostname!r}: {exc}"
-    for address in {info[4][0] for info in infos}:
-        ip = ipaddress.ip_address(address.split("%")[0])
-        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-            ip = ip.ipv4_mapped
+    for ip in addresses:
         for kind in ("link_local", "multicast", "unspecified"):
             if getattr(ip, f"is_{kind}"):
                 return f"{parts.hostname} is a {kind.replace('_', '-')} address ({ip}); instances cannot live there"

@@ -10,14 +10,13 @@ resolves to is.
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
-import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from pdserve.net.addresses import Address, parse_address, resolve
+
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
-Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 DEFAULT_ALLOWED_PEERS = ("127.0.0.0/8", "::1/128", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "fc00::/7")
 _LINK_LOCAL = (ipaddress.ip_network("169.254.0.0/16"), ipaddress.ip_network("fe80::/10"))
@@ -25,16 +24,6 @@ _LINK_LOCAL = (ipaddress.ip_network("169.254.0.0/16"), ipaddress.ip_network("fe8
 
 class PeerNotAllowed(ValueError):
     """The peer is outside kv_connector_extra_config.allowed_peers: nothing was dialled."""
-
-
-def _address(text: str) -> Address | None:
-    try:
-        ip = ipaddress.ip_address(text.strip("[]").split("%")[0])
-    except ValueError:
-        return None
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        return ip.ipv4_mapped  # ::ffff:169.254.169.254 is 169.254.169.254
-    return ip
 
 
 def _link_local(net: Network) -> bool:
@@ -68,7 +57,7 @@ class PeerPolicy:
 
     async def check(self, host: str) -> None:
         """Raises PeerNotAllowed unless `host` may be dialled; resolves an unlisted name (without blocking)."""
-        ip = _address(host)
+        ip = parse_address(host)
         if ip is not None:
             if not self.allows_address(ip):
                 raise PeerNotAllowed(f"{host} is not an allowed KV peer (kv_connector_extra_config.allowed_peers)")
@@ -76,10 +65,9 @@ class PeerPolicy:
         if host.lower().rstrip(".") in self.names:
             return
         try:
-            infos = await asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM)
+            resolved = await resolve(host)
         except OSError as exc:
             raise PeerNotAllowed(f"KV peer {host} does not resolve: {exc}") from exc
-        resolved = [_address(str(info[4][0])) for info in infos]
-        if not resolved or not all(ip is not None and self.allows_address(ip) for ip in resolved):
+        if not resolved or not all(self.allows_address(ip) for ip in resolved):
             raise PeerNotAllowed(f"{host} resolves outside the allowed KV peers (kv_connector_extra_config."
                                  f"allowed_peers)")
