@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from pdserve.launcher import start_instance
-from server_utils import metric_values, toy_proxy, wait_until_idle
+from server_utils import CROSS_PROCESS_LOGPROB_TOL, metric_values, toy_proxy, wait_until_idle
 
 COMMON = ["--max-model-len", "512", "--num-kv-blocks", "256", "--max-num-batched-tokens", "32",
           "--served-model-name", "tiny"]
@@ -56,7 +56,7 @@ def assert_same_answer(pd: dict, ref: dict) -> None:
     assert a["token_ids"] == b["token_ids"]
     if a.get("logprobs"):
         lp_a, lp_b = a["logprobs"]["token_logprobs"], b["logprobs"]["token_logprobs"]
-        assert max(abs(x - y) for x, y in zip(lp_a, lp_b)) < 1e-4
+        assert max(abs(x - y) for x, y in zip(lp_a, lp_b)) < CROSS_PROCESS_LOGPROB_TOL
 
 
 PROMPT_LENGTHS = {"one token": 1, "less than a block": 7, "exact blocks": 32, "several chunks": 100}

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.ids import new_transfer_id
 from pdserve.launcher import start, start_instance
-from server_utils import metric_values, sse_events, wait_for, wait_until_idle
+from server_utils import CROSS_PROCESS_LOGPROB_TOL, metric_values, sse_events, wait_for, wait_until_idle
 
 COMMON = ["--max-model-len", "512", "--num-kv-blocks", "192", "--served-model-name", "tiny",
           "--max-num-batched-tokens", "16"]
@@ -64,7 +64,7 @@ def same_answer(a: dict, b: dict) -> None:
     x, y = a["choices"][0], b["choices"][0]
     assert x["token_ids"] == y["token_ids"]
     diffs = [abs(p - q) for p, q in zip(x["logprobs"]["token_logprobs"], y["logprobs"]["token_logprobs"])]
-    assert max(diffs) < 1e-4
+    assert max(diffs) < CROSS_PROCESS_LOGPROB_TOL
 
 
 @pytest.mark.parametrize("length", [1, 7, 32, 100])
