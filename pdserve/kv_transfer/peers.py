@@ -15,7 +15,6 @@ from typing import Any
 import zmq.asyncio
 
 from pdserve.kv_transfer.data_plane import DataPlaneError, PeerChannel
-from pdserve.kv_transfer.data_plane.shm import host_identity
 from pdserve.kv_transfer.faults import FaultInjector
 from pdserve.kv_transfer.messages import Handshake, HandshakeReply, Message, Release
 from pdserve.kv_transfer.peer_policy import PeerNotAllowed
@@ -25,6 +24,14 @@ from pdserve.kv_transfer.side_channel import Capture, SideChannelClient
 log = logging.getLogger(__name__)
 
 Address = tuple[str, int]
+
+# Under "auto", planes both sides offer are tried in this order: shared memory (only where it connects), NIXL,
+# then TCP, which reaches anything routable. A plane not named here comes last.
+AUTO_ORDER = ("shm", "nixl", "tcp")
+
+
+def _auto_rank(name: str) -> int:
+    return AUTO_ORDER.index(name) if name in AUTO_ORDER else len(AUTO_ORDER)
 
 
 class TransferRefused(DataPlaneError):
@@ -120,22 +127,34 @@ class Peers:
             raise DataPlaneError(f"unexpected handshake reply from {host}:{port}: {reply}")
         if not reply.ok or reply.compat_hash != config.compat_hash:
             raise DataPlaneError(reply.error or "compatibility hash mismatch")
-        plane_name = self._choose_plane(reply.data_plane_info)
-        channel = await self.rt.off_loop(config.planes[plane_name].connect, reply.data_plane_info[plane_name])
+        plane_name, channel = await self._connect(reply.data_plane_info)
         return Peer(reply.engine_id, channel, plane_name)
 
-    def _choose_plane(self, offered: dict[str, Any]) -> str:
+    async def _connect(self, offered: dict[str, Any]) -> tuple[str, PeerChannel]:
+        """A channel on the first candidate plane that actually connects.
+
+        Under "auto" nothing the peer says about itself decides: two network namespaces on one kernel share the
+        boot id, yet neither reaches the other's abstract socket, so shm is chosen by connecting it.
+        """
+        failures = []
+        for name in self._candidates(offered):
+            try:
+                return name, await self.rt.off_loop(self.rt.config.planes[name].connect, offered[name])
+            except (DataPlaneError, OSError) as exc:
+                failures.append(f"{name}: {exc}")
+        raise DataPlaneError(f"no data plane to the peer connected ({'; '.join(failures)})")
+
+    def _candidates(self, offered: dict[str, Any]) -> list[str]:
+        """The planes to try in order: the configured one, or under "auto" every plane both sides offer."""
         preferred, planes = self.rt.config.preferred_plane, self.rt.config.planes
         if preferred != "auto":
             if preferred not in offered or preferred not in planes:
                 raise DataPlaneError(f"the peer does not offer the {preferred} data plane")
-            return preferred
-        same_host = offered.get("shm", {}).get("host_id") == host_identity()
-        if same_host and "shm" in planes:
-            return "shm"
-        if "tcp" in offered and "tcp" in planes:
-            return "tcp"
-        raise DataPlaneError("no data plane in common with the peer")
+            return [preferred]
+        common = sorted((name for name in planes if name in offered), key=_auto_rank)
+        if not common:
+            raise DataPlaneError("no data plane in common with the peer")
+        return common
 
     async def on_handshake(self, message: Handshake) -> HandshakeReply:
         """Answer a peer's handshake: our identity, and how to reach our pool on each data plane."""

@@ -36,7 +36,7 @@ class AgentConfig:
     hold_wait_s: float = 2.0
     push_timeout_s: float = 60.0  # D frees a registration P has not fulfilled by then
     capture_path: str | None = None  # append every side-channel message here (drills, tests)
-    preferred_plane: str = "auto"  # "auto" picks shm when the peer shares this host
+    preferred_plane: str = "auto"  # "auto": the first common plane that connects (peers.AUTO_ORDER)
     planes: dict[str, DataPlane] = field(default_factory=dict)
     faults: FaultConfig = field(default_factory=FaultConfig)
     peers: PeerPolicy = field(default_factory=lambda: PeerPolicy.from_config(None))  # whom we may dial
