@@ -30,6 +30,7 @@ class Process:
     popen: subprocess.Popen
     ready: dict[str, Any]
     log_path: Path
+    signal_group: bool = False  # signal its whole process group: a wrapper (unshare --fork) forwards no signals
     _stopped: bool = field(default=False, repr=False)
 
     @property
@@ -42,7 +43,7 @@ class Process:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.ready.get('host', '127.0.0.1')}:{self.port}"
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -53,10 +54,16 @@ class Process:
         except OSError:
             return ""
 
+    def _signal(self, signum: int) -> None:
+        if self.signal_group:
+            os.killpg(self.pid, signum)  # started in its own session: its group id is its PID
+        else:
+            os.kill(self.pid, signum)
+
     def kill(self) -> None:
         """SIGKILL, as a crash would."""
         if self.alive():
-            os.kill(self.pid, signal.SIGKILL)
+            self._signal(signal.SIGKILL)
             self.popen.wait(10)
 
     def stop(self, timeout: float = 15.0) -> None:
@@ -64,11 +71,11 @@ class Process:
             return
         self._stopped = True
         if self.alive():
-            self.popen.send_signal(signal.SIGTERM)
+            self._signal(signal.SIGTERM)
             try:
                 self.popen.wait(timeout)
             except subprocess.TimeoutExpired:
-                self.popen.kill()
+                self._signal(signal.SIGKILL)
                 self.popen.wait(10)
         if self.popen.stdout is not None:
             self.popen.stdout.close()
@@ -78,12 +85,18 @@ class Process:
             pass
 
 
-def start(name: str, args: list[str], timeout: float = 120.0, env: dict[str, str] | None = None) -> Process:
-    """Run `python -m pdserve ARGS` (which must announce readiness) and wait for its ready line."""
-    return start_command(name, [sys.executable, "-m", "pdserve", *args], timeout, env)
+def start(name: str, args: list[str], timeout: float = 120.0, env: dict[str, str] | None = None,
+          wrap: list[str] | None = None) -> Process:
+    """Run `python -m pdserve ARGS` (which must announce readiness) and wait for its ready line.
+
+    `wrap` prefixes the command (e.g. `ip netns exec NS unshare --pid --fork --kill-child`); the process is then
+    stopped through its process group, since such a wrapper does not pass signals on.
+    """
+    return start_command(name, [*(wrap or []), sys.executable, "-m", "pdserve", *args], timeout, env, bool(wrap))
 
 
-def start_command(name: str, argv: list[str], timeout: float = 120.0, env: dict[str, str] | None = None) -> Process:
+def start_command(name: str, argv: list[str], timeout: float = 120.0, env: dict[str, str] | None = None,
+                  signal_group: bool = False) -> Process:
     """Run any command that announces readiness with a JSON line on stdout, and wait for that line."""
     fd, log_name = tempfile.mkstemp(prefix=f"pdserve-{name}-", suffix=".log")
     os.close(fd)
@@ -91,7 +104,7 @@ def start_command(name: str, argv: list[str], timeout: float = 120.0, env: dict[
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     with log_path.open("wb") as log_file:
         popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log_file, env=full_env, start_new_session=True)
-    proc = Process(name, popen, {}, log_path)
+    proc = Process(name, popen, {}, log_path, signal_group)
     try:
         proc.ready = _wait_ready(popen, timeout)
     except BaseException as exc:  # a Ctrl-C while waiting must not leave the child running either
@@ -138,5 +151,6 @@ def _wait_ready(popen: subprocess.Popen, timeout: float) -> dict[str, Any]:
 
 
 def start_instance(model: Path | str, *extra: str, name: str = "instance", timeout: float = 120.0,
-                   env: dict[str, str] | None = None) -> Process:
-    return start(name, ["serve", str(model), "--host", "127.0.0.1", "--port", "0", *extra], timeout, env)
+                   env: dict[str, str] | None = None, host: str = "127.0.0.1",
+                   wrap: list[str] | None = None) -> Process:
+    return start(name, ["serve", str(model), "--host", host, "--port", "0", *extra], timeout, env, wrap)
