@@ -114,6 +114,14 @@ def transfer_on_d(network: Network, fleet: dict, request_id: str) -> dict:
     return next(e["attrs"] for e in timeline["events"] if e["name"] == "kv_transfer_end")
 
 
+def test_p_and_d_are_separate_hosts(network, fleet):
+    """Each is the first process of its own PID namespace and listens on its own namespace's address only."""
+    for name in ("P", "D"):
+        assert fleet[name].ready["pid"] == 1
+        assert fleet[name].ready["host"] == network[name].address
+        assert fleet[name].ready["side_channel_port"] > 0
+
+
 @pytest.mark.parametrize("protocol", ["pull", "push"])
 def test_answers_equal_colocated_across_hosts(network, fleet, colocated, protocol):
     for n, body in enumerate(({"prompt": list(range(40, 47)), "max_tokens": 6},
