@@ -86,6 +86,23 @@ def test_pdserve_decode_loads_kv_from_vllm_prefill(pair, prompt):
     assert metric_values(vp)[expired] == before_p[expired]  # by D's notification, not its 30 s lease
 
 
+def test_a_request_refused_before_admission_frees_vllm_prefill(pair):
+    """D refuses vLLM's params for a list of prompts (they name one prompt's KV): it tells P, in vLLM's own
+    words, to free what it holds, rather than leave the blocks to P's lease."""
+    vp, pd = pair["vP"], pair["pD"]
+    prompt = random_prompt(20, 44)
+    before = metric_values(vp)
+    held = httpx.post(f"{vp}/v1/completions", timeout=120, json=body(prompt, max_tokens=1, kv_transfer_params={
+        "do_remote_decode": True, "do_remote_prefill": False})).json()["kv_transfer_params"]
+    assert held["remote_block_ids"] and usage(vp) > 0
+    response = httpx.post(f"{pd}/v1/completions", json=body([prompt, prompt], kv_transfer_params=held), timeout=120)
+    assert response.status_code == 400, response.text
+    wait_for(lambda: usage(vp) == 0.0, timeout=20, what="vLLM P's KV cache to be idle")
+    expired = "vllm:nixl_num_kv_expired_reqs_total"
+    assert metric_values(vp)[expired] == before[expired]
+    wait_until_idle(pd)
+
+
 def fake_vllm_producer(shape: ModelShape, version: str, engine_id: str) -> tuple[int, threading.Event]:
     """A side channel that answers one handshake as vLLM `version` would (nothing else is asked of it)."""
     port = free_port()

@@ -150,7 +150,10 @@ class ConnectorBundle:
 
     def reject(self, parsed: KVTransferParams, reason: str) -> None:
         """A request with remote KV was refused before admission: tell P to free its blocks now."""
-        if isinstance(parsed, RemotePrefill) and parsed.remote_key is not None:
+        if isinstance(parsed, ForeignPrefill) and self.loads_vllm and parsed.prefill is not None:
+            held = parsed.prefill  # vLLM's: its own notification frees it (a pdserve message would break its listener)
+            self.agent.pull_consumer.send_vllm_release(held.host, held.port, held.engine_id, held.remote_key)
+        elif isinstance(parsed, RemotePrefill) and parsed.remote_key is not None:
             self.agent.send_release(parsed.host, parsed.port, parsed.remote_key, parsed.token or "",
                                     f"rejected before admission: {reason}")
 

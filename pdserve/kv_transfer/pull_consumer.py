@@ -103,11 +103,8 @@ class PullConsumer:
             await self._failed(job, exc, started)
             return
         seconds = time.monotonic() - started
-        stats = self.rt.stats
-        stats.loads_ok += 1
-        stats.bytes_received += nbytes
-        stats.load_seconds_total += seconds
-        stats.blocks_invalid += len(invalid)
+        self.rt.stats.count_load(nbytes, seconds)
+        self.rt.stats.blocks_invalid += len(invalid)
         if invalid:
             log.warning("KV load for %s: %d of %d blocks failed their checksum", job.request_id, len(invalid),
                         len(job.local_block_ids))

@@ -75,10 +75,7 @@ class VllmNixlConsumer:
             await self.release(job.host, job.port, job.engine_id, job.key, handshake=False)
             return
         seconds = time.monotonic() - started
-        stats = self.rt.stats
-        stats.loads_ok += 1
-        stats.bytes_received += nbytes
-        stats.load_seconds_total += seconds
+        self.rt.stats.count_load(nbytes, seconds)
         finish(job, LoadResult(job.request_id, ok=True, nbytes=nbytes, seconds=seconds, plane="vllm-nixl",
                                started_at=started))
 
@@ -98,8 +95,8 @@ class VllmNixlConsumer:
         wanted = covering_blocks(job.remote_block_ids, meta.block_size, job.first_token, job.num_tokens)
         if any(b >= meta.num_blocks for b in wanted.block_ids):
             raise ValueError("kv_transfer_params name blocks the vLLM instance does not have")
-        block_len, layers, count = meta.block_lens[0], len(meta.kv_caches_base_addr), len(wanted.block_ids)
-        staging = self.endpoint.staging(layers * self._max_blocks(meta) * block_len)
+        block_len, count = meta.block_lens[0], len(wanted.block_ids)
+        staging = self._staging(meta)
         remote: list[Descriptor] = []
         local: list[Descriptor] = []
         for layer, base in enumerate(meta.kv_caches_base_addr):
@@ -111,16 +108,27 @@ class VllmNixlConsumer:
                           wanted.skip, wanted.count)
         return len(remote) * block_len
 
-    def _max_blocks(self, meta: AgentMetadata) -> int:
-        """vLLM blocks one prompt can span (a run of tokens may straddle one more block)."""
-        return -(-self.max_model_len // meta.block_size) + 1
+    def _notify(self, peer: VllmPeer, key: str) -> None:
+        """Deliver the read-done notification on a one-block read: a bare NIXL notification is not sent
+        without a progress thread (or before a connection exists), a read is progressed here to completion."""
+        meta = peer.meta
+        staging = self._staging(meta)
+        self.endpoint.read(peer.agent, [(meta.kv_caches_base_addr[0], meta.block_lens[0], meta.device_id)],
+                           [(staging.data_ptr(), meta.block_lens[0], 0)], read_done(key),
+                           time.monotonic() + self.rt.config.message_timeout_s)
+
+    def _staging(self, meta: AgentMetadata) -> torch.Tensor:
+        """Room for every layer of the vLLM blocks one prompt can span (its tokens may straddle one more)."""
+        blocks = -(-self.max_model_len // meta.block_size) + 1
+        return self.endpoint.staging(len(meta.kv_caches_base_addr) * blocks * meta.block_lens[0])
 
     async def release(self, host: str, port: int, engine_id: str, key: str, handshake: bool = True) -> None:
         """Tell vLLM P it may free this request's blocks now (its lease is the backstop if this fails)."""
         try:
             peer = await self._peer(host, port, engine_id) if handshake else self._peers.get((host, port))
             if peer is not None:
-                await self.rt.off_loop(self.endpoint.notify, peer.agent, read_done(key))
+                async with self._read_lock:
+                    await self.rt.off_loop(self._notify, peer, key)
         except Exception as exc:  # noqa: BLE001 - best effort: P's lease frees the blocks anyway
             log.warning("could not tell vLLM at %s:%d to free %s (%s); its lease will", host, port, key, exc)
 

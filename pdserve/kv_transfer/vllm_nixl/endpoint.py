@@ -83,11 +83,6 @@ class NixlEndpoint:
             except Exception as exc:  # noqa: BLE001 - an in-flight handle may refuse release; nothing else to do
                 log.warning("could not release a NIXL transfer handle: %s", exc)
 
-    def notify(self, peer: str, message: bytes) -> None:
-        agent = self.agent()
-        agent.send_notif(peer, message)
-        agent.get_new_notifs()  # progresses the worker, so the message leaves without a progress thread
-
     def forget(self, peer: str) -> None:
         if self._agent is not None:
             self._agent.remove_remote_agent(peer)
