@@ -32,3 +32,6 @@ not_allowed
 _prompt_not_empty
 internal
 pdserve_info
+# Fields of vLLM's NIXL agent metadata that its decoder requires (pdserve/kv_transfer/vllm_nixl/wire.py).
+kv_cache_layout
+ssm_sizes

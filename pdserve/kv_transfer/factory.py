@@ -11,7 +11,7 @@ import json
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -27,10 +27,12 @@ from pdserve.kv_transfer.data_plane import DataPlane, make_data_plane
 from pdserve.kv_transfer.decode_first import DecodeFirstClient
 from pdserve.kv_transfer.faults import FaultConfig, resolve_fault_config
 from pdserve.kv_transfer.messages import PROTOCOL_VERSION
-from pdserve.kv_transfer.params import (DecodeFirst, ForeignPrefill, KVParamsError, KVTransferParams, RemoteDecode,
-                                        RemotePrefill, parse_kv_params, parse_release)
+from pdserve.kv_transfer.params import (VLLM_NIXL, DecodeFirst, ForeignPrefill, KVParamsError, KVTransferParams,
+                                        RemoteDecode, RemotePrefill, parse_kv_params, parse_release)
 from pdserve.kv_transfer.pd_connector import PdConnectorScheduler, PdConnectorWorker, ProducerIdentity
 from pdserve.kv_transfer.peer_policy import PeerNotAllowed, PeerPolicy
+from pdserve.kv_transfer.vllm_nixl.consumer import VllmNixlConsumer
+from pdserve.kv_transfer.vllm_nixl.wire import ModelShape
 from pdserve.models.config import ModelSpec
 from pdserve.models.loader import checkpoint_files
 from pdserve.utils import cdiv
@@ -57,6 +59,7 @@ class ConnectorBundle:
     decode_first: DecodeFirstClient = field(default_factory=DecodeFirstClient)
     fault_api: bool = False  # whether POST /v1/kv/faults may switch fault injection at run time
     load_failure_policy: str = "recompute"
+    loads_vllm: bool = False  # whether vLLM NixlConnector producers' KV is loaded (else it is foreign)
     foreign_params: int = 0  # requests whose remote-prefill parameters were another engine's
     _foreign_seen: set[str] = field(default_factory=set)  # engines already logged
 
@@ -102,7 +105,9 @@ class ConnectorBundle:
         Another engine's parameters: prefill here at once (`recompute`) or refuse the request (`fail`).
         """
         if isinstance(parsed, ForeignPrefill):
-            return self._foreign(parsed)
+            if not (self.loads_vllm and parsed.prefill is not None):
+                return self._foreign(parsed)
+            parsed = replace(parsed.prefill, mode=VLLM_NIXL)  # vLLM's KV, loaded with vLLM's own protocol
         if isinstance(parsed, DecodeFirst):
             await self._check_peer(urlsplit(parsed.prefill_url).hostname or "", "remote_prefill_url")
             parsed = await self.decode_first.prefill(parsed, prompt_token_ids, self.max_blocks)
@@ -145,7 +150,10 @@ class ConnectorBundle:
 
     def reject(self, parsed: KVTransferParams, reason: str) -> None:
         """A request with remote KV was refused before admission: tell P to free its blocks now."""
-        if isinstance(parsed, RemotePrefill) and parsed.remote_key is not None:
+        if isinstance(parsed, ForeignPrefill) and self.loads_vllm and parsed.prefill is not None:
+            held = parsed.prefill  # vLLM's: its own notification frees it (a pdserve message would break its listener)
+            self.agent.pull_consumer.send_vllm_release(held.host, held.port, held.engine_id, held.remote_key)
+        elif isinstance(parsed, RemotePrefill) and parsed.remote_key is not None:
             self.agent.send_release(parsed.host, parsed.port, parsed.remote_key, parsed.token or "",
                                     f"rejected before admission: {reason}")
 
@@ -213,7 +221,7 @@ Builder = Callable[[EngineConfig, ModelSpec], ConnectorBundle]
 EXTRA_CONFIG_KEYS = frozenset({
     "data_plane", "side_channel_host", "side_channel_port", "kv_lease_duration", "kv_load_timeout", "message_timeout",
     "handshake_timeout", "push_registration_timeout", "capture_messages", "fault_injection", "fault_injection_api",
-    "allowed_peers"})
+    "allowed_peers", "vllm_nixl", "vllm_model"})
 
 
 def build_pd_connector(config: EngineConfig, model: ModelSpec) -> ConnectorBundle:
@@ -244,10 +252,22 @@ def build_pd_connector(config: EngineConfig, model: ModelSpec) -> ConnectorBundl
                                      load_failure_policy=policy)
     worker = PdConnectorWorker(agent, config.block_size, push_timeout_s=agent.config.push_timeout_s,
                                unregistered_timeout_s=agent.config.lease_s, load_failure_policy=policy)
+    loads_vllm = bool(extra.get("vllm_nixl"))
+    if loads_vllm:
+        agent.pull_consumer.vllm = VllmNixlConsumer(agent.rt, vllm_model_shape(model, extra.get("vllm_model")),
+                                                    model.max_model_len)
     return ConnectorBundle(scheduler=scheduler, worker=worker, agent=agent, planes=planes,
                            engine_id=engine_id, max_blocks=max_blocks, pool_owner=plane_names[0],
                            fault_api=bool(extra.get("fault_injection_api", os.environ.get("PDSERVE_FAULTS_API"))),
-                           load_failure_policy=policy)
+                           load_failure_policy=policy, loads_vllm=loads_vllm)
+
+
+def vllm_model_shape(model: ModelSpec, served_as: str | None) -> ModelShape:
+    """This model as vLLM's compatibility hash names it: `served_as` is the model argument vLLM was started with
+    (its hash includes it verbatim); by default, this instance's own model folder."""
+    text = model.text
+    return ModelShape(model=str(served_as or model.path), dtype=str(model.dtype), num_kv_heads=text.num_kv_heads,
+                      head_size=text.head_dim, num_layers=text.num_layers)
 
 
 KV_CONNECTORS: dict[str, Builder] = {"PdConnector": build_pd_connector}

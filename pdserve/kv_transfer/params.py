@@ -26,6 +26,10 @@ import msgspec
 from pdserve.ids import TransferId
 
 
+# RemotePrefill.mode of KV held by a vLLM NixlConnector producer, loaded with vLLM's own protocol.
+VLLM_NIXL = "vllm-nixl"
+
+
 class KVParamsError(ValueError):
     """Unusable kv_transfer_params; the server answers 400."""
 
@@ -63,7 +67,7 @@ class RemotePrefill:
     block_ids: tuple[int, ...] | None  # pull mode; None in push mode
     token: str | None
     transfer_id: TransferId | None
-    mode: str  # "pull" or "push"
+    mode: str  # "pull", "push", or VLLM_NIXL (pull from a vLLM NixlConnector producer)
     num_tokens: int | None = None
     cached_tokens: int | None = None  # P's own prefix-cache hits, which D reports as the request's cached tokens
     prompt_hash: str | None = None  # `prompt_hash` of the prompt whose KV P holds (pull); None: not told
@@ -120,10 +124,13 @@ class DecodeFirst:
 class ForeignPrefill:
     """Remote-prefill parameters that are not pdserve's: vLLM NIXL's, say, which carry no transfer token (push:
     no transfer id). Their side channel speaks another protocol, where one unexpected message can break it, so a
-    pdserve consumer never dials it: it prefills locally (policy `recompute`) or refuses the request (`fail`)."""
+    pdserve consumer never dials it with pdserve's messages. An instance configured to load vLLM's KV does so
+    from `prefill` (vLLM's own handshake and notification); any other prefills locally (policy `recompute`) or
+    refuses the request (`fail`)."""
 
     engine_id: str | None
     why: str
+    prefill: RemotePrefill | None = None  # the fields as vLLM's NixlConnector (pull) sent them
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,7 +213,7 @@ def parse_kv_params(params: Any, max_blocks: int) -> KVTransferParams | None:
     if prefill.mode == "pull" and not prefill.token:
         # pdserve's producers hand out a transfer token with every pull: well-formed block ids without one were
         # handed out by another engine (vLLM NIXL's shape), whose side channel this instance must never dial.
-        return ForeignPrefill(prefill.engine_id, "no pdserve transfer_token")
+        return ForeignPrefill(prefill.engine_id, "no pdserve transfer_token", prefill)
     return prefill
 
 

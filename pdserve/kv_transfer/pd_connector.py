@@ -18,7 +18,7 @@ from pdserve.engine.request import Request, RequestStatus
 from pdserve.ids import ReqId, TransferId
 from pdserve.kv_transfer.agent import TransferAgent
 from pdserve.kv_transfer.base import KVConnectorMetadata, KVConnectorScheduler, KVConnectorWorker
-from pdserve.kv_transfer.params import KVHandOff, PushHeld, RemoteDecode, RemotePrefill, prompt_hash
+from pdserve.kv_transfer.params import VLLM_NIXL, KVHandOff, PushHeld, RemoteDecode, RemotePrefill, prompt_hash
 from pdserve.kv_transfer.pull_consumer import LoadJob
 from pdserve.kv_transfer.push import PushChunk, PushEnded, PushProducer, PushRegistration
 from pdserve.kv_transfer.translator import TransferMap
@@ -56,6 +56,8 @@ class ReleaseSpec:
     key: str
     token: str
     reason: str
+    engine_id: str = ""
+    vllm: bool = False  # a vLLM producer: freed by its own notification
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +119,7 @@ class PdConnectorScheduler(KVConnectorScheduler):
             self._leaders[_transfer_key(parsed)] = request
         self._parsed[request.request_id] = parsed
         self._hashes[request.request_id] = _prompt_hash(request)
-        if isinstance(parsed, RemotePrefill) and parsed.mode == "pull":
+        if isinstance(parsed, RemotePrefill) and parsed.mode == "pull":  # vLLM's lease outlasts a prompt's load
             self._pending.watch.append(WatchSpec(parsed.host, parsed.port, parsed.remote_key))
 
     def take_request_errors(self) -> dict[ReqId, str]:
@@ -137,7 +139,7 @@ class PdConnectorScheduler(KVConnectorScheduler):
             return 0, False
         if parsed.prompt_hash is not None and parsed.prompt_hash != self._hashes.get(request.request_id):
             return self._refuse_other_prompt(request, parsed)
-        if parsed.block_ids is not None and len(parsed.block_ids) < cdiv(request.num_prompt_tokens, self.block_size):
+        if parsed.mode == "pull" and len(parsed.block_ids) < cdiv(request.num_prompt_tokens, self.block_size):
             self._errors[request.request_id] = (
                 f"the remote KV covers {len(parsed.block_ids)} blocks but the prompt needs "
                 f"{cdiv(request.num_prompt_tokens, self.block_size)}: P and D saw different prompts")
@@ -175,6 +177,14 @@ class PdConnectorScheduler(KVConnectorScheduler):
                 port=parsed.port, engine_id=parsed.engine_id, first_block=first, block_ids=tuple(needed),
                 num_tokens=request.num_prompt_tokens, token=secrets.token_hex(16),
                 prompt_hash=self._hashes.get(request.request_id, "")))
+            return
+        if parsed.mode == VLLM_NIXL:
+            self._pending.loads.append(LoadJob(
+                request_id=request.request_id, host=parsed.host, port=parsed.port, engine_id=parsed.engine_id,
+                key=parsed.remote_key, token="", remote_block_ids=parsed.block_ids,
+                local_block_ids=tuple(block_ids[first:cdiv(request.num_prompt_tokens, self.block_size)]),
+                deadline_s=self.load_timeout_s, vllm=True, first_token=first * self.block_size,
+                num_tokens=request.num_prompt_tokens))
             return
         remote = parsed.block_ids[first:cdiv(request.num_prompt_tokens, self.block_size)]
         self._pending.loads.append(LoadJob(
@@ -225,8 +235,10 @@ class PdConnectorScheduler(KVConnectorScheduler):
             return False, None
         self._pending.unwatch.append(WatchSpec(parsed.host, parsed.port, parsed.remote_key))
         if rid in self._loading:
-            # Ended mid-read: P may free at once, but our blocks wait until the read is over.
-            self._release(parsed, "decode request ended while loading")
+            # Ended mid-read: P may free at once, but our blocks wait until the read is over (vLLM's P is told
+            # by the read itself).
+            if parsed.mode != VLLM_NIXL:
+                self._release(parsed, "decode request ended while loading")
             return True, None
         unsent = [job for job in self._pending.loads if job.request_id == rid]
         if unsent:
@@ -281,7 +293,7 @@ class PdConnectorScheduler(KVConnectorScheduler):
     def _release(self, parsed: RemotePrefill, reason: str) -> None:
         if parsed.remote_key is not None:
             self._pending.releases.append(ReleaseSpec(parsed.host, parsed.port, parsed.remote_key, parsed.token or "",
-                                                      reason))
+                                                      reason, parsed.engine_id, parsed.mode == VLLM_NIXL))
 
 
 class PdConnectorWorker(KVConnectorWorker):
@@ -338,7 +350,10 @@ class PdConnectorWorker(KVConnectorWorker):
         for transfer_id in meta.cancel_pushes:
             pushes.cancel(transfer_id)
         for r in meta.releases:
-            pull.send_release(r.host, r.port, r.key, r.token, r.reason)
+            if r.vllm:
+                pull.send_vllm_release(r.host, r.port, r.engine_id, r.key)
+            else:
+                pull.send_release(r.host, r.port, r.key, r.token, r.reason)
         if self.push is not None:
             self.push.start_step()
 

@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pdserve.ids import ReqId
 from pdserve.kv_transfer.data_plane import DataPlaneError
@@ -21,6 +22,9 @@ from pdserve.kv_transfer.messages import Ack, Heartbeat, ReadDone, ReadGrant, Re
 from pdserve.kv_transfer.peers import Address, Peers, TransferRefused
 from pdserve.kv_transfer.runtime import AgentRuntime, LoadResult
 from pdserve.kv_transfer.side_channel import SideChannelError
+
+if TYPE_CHECKING:
+    from pdserve.kv_transfer.vllm_nixl.consumer import VllmNixlConsumer
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +43,10 @@ class LoadJob:
     remote_block_ids: tuple[int, ...]
     local_block_ids: tuple[int, ...]
     deadline_s: float
+    # Loads from vLLM: its blocks hold tokens [first_token, num_tokens) at its own block size.
+    vllm: bool = False
+    first_token: int = 0
+    num_tokens: int = 0
 
 
 class PullConsumer:
@@ -50,10 +58,14 @@ class PullConsumer:
         self._lock = threading.Lock()
         self._completed: list[LoadResult] = []
         self._heartbeats: dict[Address, set[str]] = {}
+        self.vllm: VllmNixlConsumer | None = None  # set when this instance loads KV from vLLM prefill instances
 
     # -- engine thread -------------------------------------------------------------------------------------
     def submit(self, job: LoadJob) -> None:
-        self.rt.call(self._load(job))
+        if job.vllm and self.vllm is not None:
+            self.rt.call(self.vllm.load(job, self._finish))
+        else:
+            self.rt.call(self._load(job))
 
     def take_completed(self) -> list[LoadResult]:
         with self._lock:
@@ -77,6 +89,11 @@ class PullConsumer:
         """Tell the producer to free a transfer's blocks now (fire and forget, with a deadline)."""
         self.rt.call(self.peers.release(host, port, key, token, reason))
 
+    def send_vllm_release(self, host: str, port: int, engine_id: str, key: str) -> None:
+        """Tell a vLLM producer to free a request's blocks now (its own notification; never a pdserve message)."""
+        if self.vllm is not None:
+            self.rt.call(self.vllm.release(host, port, engine_id, key))
+
     # -- the agent's loop ----------------------------------------------------------------------------------
     async def _load(self, job: LoadJob) -> None:
         started = time.monotonic()
@@ -86,11 +103,8 @@ class PullConsumer:
             await self._failed(job, exc, started)
             return
         seconds = time.monotonic() - started
-        stats = self.rt.stats
-        stats.loads_ok += 1
-        stats.bytes_received += nbytes
-        stats.load_seconds_total += seconds
-        stats.blocks_invalid += len(invalid)
+        self.rt.stats.count_load(nbytes, seconds)
+        self.rt.stats.blocks_invalid += len(invalid)
         if invalid:
             log.warning("KV load for %s: %d of %d blocks failed their checksum", job.request_id, len(invalid),
                         len(job.local_block_ids))

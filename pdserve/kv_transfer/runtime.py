@@ -62,6 +62,11 @@ class AgentStats:
     push_done_failed: int = 0
     push_registration_timeouts: int = 0
 
+    def count_load(self, nbytes: int, seconds: float) -> None:
+        self.loads_ok += 1
+        self.bytes_received += nbytes
+        self.load_seconds_total += seconds
+
 
 @dataclass(slots=True)
 class LoadResult:
