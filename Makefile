@@ -11,6 +11,8 @@ $(STAMP): pyproject.toml requirements/constraints.txt
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch is pinned by the constraints file so pip takes the CPU wheel, never the CUDA stack.
 	$(PY) -m pip install --quiet -c requirements/constraints.txt -e '.[test]'
+	# The nixl data plane's optional wheels (the `nixl` extra), --no-deps: their metadata pulls CUDA torch.
+	$(PY) -m pip install --quiet --no-deps nixl-cu12==1.5.1 nixl==1.5.1
 	touch $(STAMP)
 
 install: $(STAMP)

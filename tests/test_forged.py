@@ -11,30 +11,30 @@ import pytest
 import zmq.asyncio
 
 from pdserve.ids import new_transfer_id
-from pdserve.kv_transfer.data_plane.base import DataPlaneError
-from pdserve.kv_transfer.data_plane.tcp import TcpPeer
+from pdserve.kv_transfer.data_plane import DataPlaneError, make_data_plane
 from pdserve.kv_transfer.messages import Ack, Heartbeat, ReadGrant, ReadGrantReply, Release
 from pdserve.kv_transfer.side_channel import SideChannelClient
 from pdserve.launcher import start_instance
-from server_utils import metric_values, wait_until_idle
+from server_utils import data_planes, metric_values, wait_until_idle
 
 COMMON = ["--max-model-len", "512", "--num-kv-blocks", "192", "--served-model-name", "tiny"]
 
 
-def kv(role: str, **extra) -> str:
+def kv(role: str, plane: str, **extra) -> str:
     return json.dumps({"kv_connector": "PdConnector", "kv_role": role, "kv_connector_extra_config": {
-        "data_plane": "tcp", "kv_lease_duration": 3.0, "push_registration_timeout": 10.0, **extra}})
+        "data_plane": plane, "kv_lease_duration": 3.0, "push_registration_timeout": 10.0, **extra}})
 
 
-@pytest.fixture(scope="module")
-def pd(models):
+@pytest.fixture(scope="module", params=data_planes("tcp", "nixl"))
+def pd(models, request):
     model = models("llama")
+    plane = request.param
     procs = {}
     try:
-        procs["P"] = start_instance(model, *COMMON, "--kv-transfer-config", kv("kv_producer"), name="P")
-        procs["D"] = start_instance(model, *COMMON, "--kv-transfer-config", kv("kv_consumer"), name="D")
+        procs["P"] = start_instance(model, *COMMON, "--kv-transfer-config", kv("kv_producer", plane), name="P")
+        procs["D"] = start_instance(model, *COMMON, "--kv-transfer-config", kv("kv_consumer", plane), name="D")
         procs["C"] = start_instance(model, *COMMON, name="C")
-        yield procs
+        yield {**procs, "plane": plane}
     finally:
         for proc in procs.values():
             proc.stop()
@@ -176,11 +176,18 @@ def test_rogue_instance_on_the_side_channel_and_data_plane(pd, held):
 
     import torch
 
-    channel = TcpPeer("127.0.0.1", pd["P"].ready["tcp_data_plane"]["port"], torch.zeros(8, 2, 2, 2, 16, 32))
+    # The rogue speaks P's data plane itself, with a pool of P's block layout: the owner refuses before any byte moves.
+    info = pd["P"].ready[f"{pd['plane']}_data_plane"]
+    rogue_plane = make_data_plane(pd["plane"], "127.0.0.1")
+    shape = (8, *info["shape"][1:]) if "shape" in info else (8, 2, 2, 2, 16, 32)  # tcp's info names no layout
+    pool = rogue_plane.allocate(shape, getattr(torch, info.get("dtype", "float32")))
+    channel = rogue_plane.connect(info)
     try:
         with pytest.raises(DataPlaneError, match="token"):
             channel.read_blocks(key, "f" * 32, blocks[:1], [0])
         with pytest.raises(DataPlaneError):
             channel.read_blocks(b["remote_request_id"], b["transfer_token"], blocks[:1], [0])  # B's token, A's block
+        assert torch.count_nonzero(pool) == 0
     finally:
         channel.close()
+        rogue_plane.stop()

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from pdserve.launcher import start_instance
-from server_utils import CROSS_PROCESS_LOGPROB_TOL, metric_values, toy_proxy, wait_until_idle
+from server_utils import CROSS_PROCESS_LOGPROB_TOL, data_planes, metric_values, toy_proxy, wait_until_idle
 
 COMMON = ["--max-model-len", "512", "--num-kv-blocks", "256", "--max-num-batched-tokens", "32",
           "--served-model-name", "tiny"]
@@ -20,7 +20,7 @@ def kv_config(role: str, plane: str, **extra) -> str:
                        "kv_connector_extra_config": {"data_plane": plane, **extra}})
 
 
-@pytest.fixture(scope="module", params=["shm", "tcp"])
+@pytest.fixture(scope="module", params=data_planes("shm", "tcp", "nixl"))
 def cluster(request, models):
     model = models("qwen3")
     plane = request.param

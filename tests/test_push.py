@@ -13,13 +13,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.ids import new_transfer_id
 from pdserve.launcher import start, start_instance
-from server_utils import CROSS_PROCESS_LOGPROB_TOL, metric_values, sse_events, wait_for, wait_until_idle
+from server_utils import (CROSS_PROCESS_LOGPROB_TOL, data_planes, metric_values, sse_events, wait_for,
+                          wait_until_idle)
 
 COMMON = ["--max-model-len", "512", "--num-kv-blocks", "192", "--served-model-name", "tiny",
           "--max-num-batched-tokens", "16"]
 
 
-@pytest.fixture(scope="module", params=["shm", "tcp"])
+@pytest.fixture(scope="module", params=data_planes("shm", "tcp", "nixl"))
 def cluster(request, models, tmp_path_factory):
     model = models("qwen3")
     plane = request.param

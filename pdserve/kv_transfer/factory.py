@@ -23,7 +23,7 @@ from pdserve.config import EngineConfig
 from pdserve.ids import new_engine_id
 from pdserve.kv_transfer.agent import AgentConfig, TransferAgent
 from pdserve.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker
-from pdserve.kv_transfer.data_plane import DataPlane, make_data_plane
+from pdserve.kv_transfer.data_plane import DATA_PLANES, DataPlane, make_data_plane
 from pdserve.kv_transfer.decode_first import DecodeFirstClient
 from pdserve.kv_transfer.faults import FaultConfig, resolve_fault_config
 from pdserve.kv_transfer.messages import PROTOCOL_VERSION
@@ -233,7 +233,9 @@ def build_pd_connector(config: EngineConfig, model: ModelSpec) -> ConnectorBundl
     host = str(extra.get("side_channel_host", kv_cfg.get("kv_ip", "127.0.0.1")))
     engine_id = str(kv_cfg.get("engine_id") or new_engine_id())
     preferred = str(extra.get("data_plane", "auto"))
-    plane_names = ["shm", "tcp"] if preferred in ("auto", "shm") else [preferred]
+    # auto (and shm, which falls back to tcp) serves every installed plane; the first one owns the pool.
+    auto = [name for name in ("shm", "nixl", "tcp") if name in DATA_PLANES]
+    plane_names = auto if preferred in ("auto", "shm") else [preferred]
     planes = {name: make_data_plane(name, host) for name in plane_names}
     agent = TransferAgent(AgentConfig(
         engine_id=engine_id, compat_hash=compatibility_hash(config, model), host=host,

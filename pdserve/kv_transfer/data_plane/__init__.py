@@ -1,4 +1,4 @@
-"""Data planes by name: every one has a CPU implementation."""
+"""Data planes by name: every one has a CPU implementation. NIXL's is listed only where NIXL is installed."""
 
 from __future__ import annotations
 
@@ -6,14 +6,30 @@ from pdserve.kv_transfer.data_plane.base import DataPlane, DataPlaneError, PeerC
 from pdserve.kv_transfer.data_plane.shm import ShmDataPlane
 from pdserve.kv_transfer.data_plane.tcp import TcpDataPlane
 
-DATA_PLANES: dict[str, type[DataPlane]] = {"shm": ShmDataPlane, "tcp": TcpDataPlane}
+NIXL_INSTALL_HINT = "pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1"
+
+
+def _available() -> dict[str, type[DataPlane]]:
+    planes: dict[str, type[DataPlane]] = {"shm": ShmDataPlane, "tcp": TcpDataPlane}
+    try:
+        from pdserve.kv_transfer.data_plane.nixl import NixlDataPlane
+    except ImportError:  # an optional dependency (the `nixl` extra)
+        return planes
+    planes["nixl"] = NixlDataPlane
+    return planes
+
+
+DATA_PLANES: dict[str, type[DataPlane]] = _available()
 
 
 def make_data_plane(name: str, host: str) -> DataPlane:
     cls = DATA_PLANES.get(name)
+    if cls is None and name == "nixl":
+        raise ValueError(f"the nixl data plane needs NIXL, which is not installed: {NIXL_INSTALL_HINT} (the "
+                         "`nixl` meta package without --no-deps pulls CUDA torch)")
     if cls is None:
         raise ValueError(f"unknown data plane {name!r}; available: {', '.join(sorted(DATA_PLANES))}")
     return cls(host)
 
 
-__all__ = ["DATA_PLANES", "DataPlane", "DataPlaneError", "PeerChannel", "make_data_plane"]
+__all__ = ["DATA_PLANES", "NIXL_INSTALL_HINT", "DataPlane", "DataPlaneError", "PeerChannel", "make_data_plane"]

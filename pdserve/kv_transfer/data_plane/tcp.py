@@ -117,14 +117,14 @@ class TcpPeer(PeerChannel):
 
     def read_blocks(self, key: str, token: str, remote_ids: list[int], local_ids: list[int]) -> int:
         # Ask in ascending remote order (the peer then sends few long runs), receive in that same order.
-        remote, local = _sorted_pairs(remote_ids, local_ids)
+        remote, local = sorted_pairs(remote_ids, local_ids)
         self._exchange({"op": "read", "key": key, "token": token, "block_ids": remote}, [],
                        self.local.spans(local, None))
         return self.local.size(local_ids, None)
 
     def write_blocks(self, key: str, token: str, local_ids: list[int], remote_ids: list[int],
                      layer: int | None = None) -> int:
-        remote, local = _sorted_pairs(remote_ids, local_ids)
+        remote, local = sorted_pairs(remote_ids, local_ids)
         nbytes = self.local.size(local, layer)
         self._exchange({"op": "write", "key": key, "token": token, "block_ids": remote, "layer": layer,
                         "nbytes": nbytes}, self.local.spans(local, layer), [])
@@ -137,7 +137,7 @@ class TcpPeer(PeerChannel):
             self._idle.clear()
 
 
-def _sorted_pairs(remote_ids: list[int], local_ids: list[int]) -> tuple[list[int], list[int]]:
+def sorted_pairs(remote_ids: list[int], local_ids: list[int]) -> tuple[list[int], list[int]]:
     pairs = sorted(zip(remote_ids, local_ids, strict=True))
     return [r for r, _ in pairs], [b for _, b in pairs]
 

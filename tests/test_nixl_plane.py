@@ -1,0 +1,138 @@
+"""The nixl data plane on its own: an owner process serves its pool, this process reads and writes runs of blocks
+and single layers through NIXL, checked byte for byte; the owner's capability check refuses what it did not grant,
+and an idle owner does not spin a core."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+from server_utils import data_planes
+
+from pdserve.kv_transfer.data_plane import DATA_PLANES, DataPlaneError, make_data_plane
+
+pytestmark = pytest.mark.parametrize("plane", data_planes("nixl"))
+
+SHAPE = (24, 3, 2, 2, 4, 8)  # blocks, layers, kv, heads, block_size, head_dim
+ROOT = Path(__file__).resolve().parent.parent
+
+# The owner: a pool of distinct values, a grant for ("k", "t") on blocks 0..15 only (read) and 16..23 (write).
+OWNER = """
+import json, sys, torch
+from pdserve.kv_transfer.data_plane import make_data_plane
+shape = tuple(json.loads(sys.argv[1]))
+plane = make_data_plane("nixl", "127.0.0.1")
+pool = plane.allocate(shape, torch.float32)
+pool.copy_(torch.arange(pool.numel(), dtype=torch.float32).view(shape))
+def authorize(op, key, token, ids):
+    if (key, token) != ("k", "t"):
+        return "wrong transfer token" if key == "k" else "no KV is held for this transfer"
+    allowed = range(16) if op == "read" else range(16, 24)
+    return None if all(b in allowed for b in ids) else "blocks outside the transfer"
+plane.start(authorize)
+print(json.dumps(plane.local_info()), flush=True)
+for line in sys.stdin:  # "dump": the pool's bytes, to check what was written
+    sys.stdout.buffer.write(pool.numpy().tobytes()); sys.stdout.buffer.flush()
+"""
+
+
+@pytest.fixture()
+def owner(plane):
+    if plane not in DATA_PLANES:
+        pytest.fail("NIXL is not installed")
+    proc = subprocess.Popen([sys.executable, "-c", OWNER, msgspec.json.encode(SHAPE).decode()], cwd=ROOT,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        info = msgspec.json.decode(proc.stdout.readline())
+        yield proc, info
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+@pytest.fixture()
+def reader(owner, plane):
+    """This process's plane, its (zeroed) pool and a channel to the owner's."""
+    plane_here = make_data_plane(plane, "127.0.0.1")
+    local = plane_here.allocate(SHAPE, torch.float32)
+    channel = plane_here.connect(owner[1])
+    try:
+        yield local, channel
+    finally:
+        channel.close()
+        plane_here.stop()
+
+
+def owner_pool(proc) -> torch.Tensor:
+    proc.stdin.write(b"dump\n")
+    proc.stdin.flush()
+    data = proc.stdout.read(torch.Size(SHAPE).numel() * 4)
+    return torch.frombuffer(bytearray(data), dtype=torch.float32).view(SHAPE)
+
+
+def reference() -> torch.Tensor:
+    return torch.arange(torch.Size(SHAPE).numel(), dtype=torch.float32).view(SHAPE)
+
+
+def test_reads_and_writes_runs_of_blocks_and_single_layers(owner, reader):
+    proc, _ = owner
+    local, channel = reader
+    # Runs (9, 8, 7 descending; 3..5 ascending) and a lone block, into scattered local blocks.
+    remote_ids, local_ids = [9, 8, 7, 3, 4, 5, 12], [20, 19, 18, 0, 1, 2, 11]
+    moved = channel.read_blocks("k", "t", remote_ids, local_ids)
+    assert moved == len(remote_ids) * local[0].numel() * 4
+    for r, b in zip(remote_ids, local_ids):
+        assert torch.equal(local[b], reference()[r])
+    # Push: whole blocks, then one layer of other blocks, into the owner's pool.
+    local.copy_(-torch.arange(local.numel(), dtype=torch.float32).view(SHAPE))
+    channel.write_blocks("k", "t", [0, 1, 5], [16, 17, 20])
+    assert channel.write_blocks("k", "t", [6, 7, 8], [21, 22, 23], layer=1) == 3 * local[0, 1].numel() * 4
+    after, expected = owner_pool(proc), reference()
+    for s, d in zip([0, 1, 5], [16, 17, 20]):
+        expected[d] = local[s]
+    for s, d in zip([6, 7, 8], [21, 22, 23]):
+        expected[d, 1] = local[s, 1]
+    assert torch.equal(after, expected)  # exactly those bytes changed, nothing else
+
+
+def test_the_owner_refuses_what_it_did_not_grant(owner, reader):
+    proc, _ = owner
+    local, channel = reader
+    with pytest.raises(DataPlaneError, match="token"):
+        channel.read_blocks("k", "forged", [0], [0])
+    with pytest.raises(DataPlaneError, match="no KV is held"):
+        channel.read_blocks("other", "t", [0], [0])
+    with pytest.raises(DataPlaneError, match="outside the transfer"):
+        channel.read_blocks("k", "t", [15, 16], [0, 1])  # one granted block, one not
+    with pytest.raises(DataPlaneError, match="outside the transfer"):
+        channel.write_blocks("k", "t", [0], [3])  # readable, not writable
+    with pytest.raises(DataPlaneError, match="outside the pool"):
+        channel.read_blocks("k", "t", [10 ** 6], [0])
+    with pytest.raises(DataPlaneError, match="layer"):
+        channel.write_blocks("k", "t", [0], [16], layer=3)
+    assert torch.count_nonzero(local) == 0  # not one byte came over
+    assert torch.equal(owner_pool(proc), reference())  # nor went
+    channel.read_blocks("k", "t", [1], [1])  # the refusals left the channel usable
+    assert torch.equal(local[1], reference()[1])
+
+
+def test_an_idle_owner_uses_no_cpu(owner, reader):
+    """NIXL's own progress thread would busy-poll a core; the plane progresses only while a transfer runs."""
+    proc, _ = owner
+    _, channel = reader
+    channel.read_blocks("k", "t", [0, 1], [0, 1])  # the agents have connected and moved bytes
+    before, start = cpu_seconds(proc.pid), time.monotonic()
+    time.sleep(3)
+    busy = (cpu_seconds(proc.pid) - before) / (time.monotonic() - start)
+    assert busy < 0.1, f"the idle owner used {busy:.0%} of a core"
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
