@@ -21,7 +21,7 @@ import zmq
 
 from conftest import random_prompt
 from pdserve.kv_transfer.vllm_nixl.wire import AgentMetadata, HandshakePayload, ModelShape, compatibility_hash
-from pdserve.launcher import start_instance
+from pdserve.launcher import start, start_instance
 from peers import free_port
 from server_utils import CROSS_PROCESS_LOGPROB_TOL, metric_values, toy_proxy, wait_for, wait_until_idle
 from vllm_live import ready, start_vllm
@@ -84,6 +84,27 @@ def test_pdserve_decode_loads_kv_from_vllm_prefill(pair, prompt):
     wait_for(lambda: usage(vp) == 0.0, timeout=20, what="vLLM P's KV cache to be idle")  # ... and freed them
     expired = "vllm:nixl_num_kv_expired_reqs_total"
     assert metric_values(vp)[expired] == before_p[expired]  # by D's notification, not its 30 s lease
+
+
+def test_gateway_pairs_vllm_prefill_with_a_pdserve_decode_that_loads_from_it(pair):
+    """A pool of one vLLM P and one pdserve D that loads from vLLM NIXL serves `pull` (before, it could not
+    start: no pair); the answer equals colocated vLLM, and the KV was loaded, not recomputed."""
+    vp, pd = pair["vP"], pair["pD"]
+    prompt = random_prompt(150, 45)
+    expected = httpx.post(f"{vp}/v1/completions", json=body(prompt), timeout=120).json()
+    before = metric_values(pd)
+    g = start("gateway", ["gateway", "--port", "0", "--log-level", "warning", "--prefill", vp, "--decode", pd,
+                          "--protocol", "pull"])
+    try:
+        response = httpx.post(f"{g.url}/v1/completions", json=body(prompt), timeout=120)
+        assert response.status_code == 200, response.text
+        assert_same_answer(response.json(), expected)
+    finally:
+        g.stop()
+    after = wait_until_idle(pd)
+    assert after["pdserve:kv_transfer_loads_ok_total"] - before["pdserve:kv_transfer_loads_ok_total"] == 1
+    assert after["pdserve:kv_foreign_params_total"] == before["pdserve:kv_foreign_params_total"]
+    wait_for(lambda: usage(vp) == 0.0, timeout=20, what="vLLM P's KV cache to be idle")
 
 
 def test_a_request_refused_before_admission_frees_vllm_prefill(pair):

@@ -25,6 +25,9 @@ VLLM_NIXL = "NixlConnector"
 # vLLM's NixlConnector (pull mode) serves vLLM's own pull protocol; pdserve's push and decode-first are not its.
 VLLM_PROTOCOLS = {VLLM_NIXL: ("pull",)}
 PAIRED_PROTOCOLS = ("pull", "push", "decode-first")
+# A pdserve decode instance that lists this source loads KV from vLLM NixlConnector P of this release series.
+VLLM_NIXL_SOURCE = "vllm-nixl"
+VLLM_NIXL_SERIES = "0.32."
 _NIXL_METRIC = b"vllm:nixl_"
 
 
@@ -46,11 +49,17 @@ class Capabilities:
     protocols: frozenset[str] = frozenset()
     side_channel: SideChannel | None = None
     takes_releases: bool = True  # whether it frees held KV on request (POST /v1/kv/release)
+    kv_sources: frozenset[str] = frozenset()  # foreign connectors it loads from as a decode instance
 
-    def can_pair(self, other: Capabilities, protocol: str) -> bool:
-        """Whether KV can move between these two for `protocol`: same engine, same connector, both speak it."""
-        return (self.kv_connector is not None and protocol in self.protocols and protocol in other.protocols
-                and (self.engine, self.kv_connector) == (other.engine, other.kv_connector))
+    def can_feed(self, decode: Capabilities, protocol: str) -> bool:
+        """Whether this prefill instance's KV can reach `decode` for `protocol`: the same engine and connector
+        speaking it on both sides, or, for pull, a vLLM NixlConnector P of the release a pdserve D loads from."""
+        if self.kv_connector is None or protocol not in self.protocols or protocol not in decode.protocols:
+            return False
+        if (self.engine, self.kv_connector) == (decode.engine, decode.kv_connector):
+            return True
+        return (protocol == "pull" and (self.engine, self.kv_connector) == (VLLM, VLLM_NIXL)
+                and self.version.startswith(VLLM_NIXL_SERIES) and VLLM_NIXL_SOURCE in decode.kv_sources)
 
     def describe(self) -> str:
         connector = self.kv_connector or "no KV connector"
@@ -63,7 +72,8 @@ def from_info(info: InstanceInfo) -> Capabilities:
     if info.engine_id and info.side_channel_host and info.side_channel_port:
         side = SideChannel(info.engine_id, info.side_channel_host, info.side_channel_port)
     return Capabilities(info.engine, info.engine_version, info.kv_connector, tuple(info.data_planes),
-                        frozenset(info.protocols), side, takes_releases=info.kv_connector is not None)
+                        frozenset(info.protocols), side, takes_releases=info.kv_connector is not None,
+                        kv_sources=frozenset(info.kv_sources))
 
 
 async def learn(pool: HttpPool, previous: Capabilities | None) -> Capabilities | None:

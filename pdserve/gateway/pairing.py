@@ -2,7 +2,8 @@
 
 A pair is used only if both can take part in the protocol and their KV connectors can talk (capabilities.py).
 The first of a pair is chosen among instances that have at least one such partner, the second among the first's
-partners, so a mixed pool never crosses a vLLM instance with a pdserve one, whatever the policy's order.
+partners, so a mixed pool never crosses a vLLM instance with a pdserve one that cannot load its KV, whatever the policy's
+order. The one mixed pair is a vLLM NixlConnector P with a pdserve D that loads from it (pull).
 """
 
 from __future__ import annotations
@@ -12,15 +13,19 @@ from pdserve.gateway.registry import Instance, Registry
 
 _OTHER = {"prefill": "decode", "decode": "prefill"}
 _HINT = ("decode-first and push need pdserve instances on both sides; vLLM instances take part in pull only, "
-         "paired with vLLM instances")
+         "paired with vLLM instances or, as prefill, with pdserve decode instances that load from vLLM NIXL")
 
 
 class NoPairError(ValueError):
     """The pool cannot serve the configured protocol at all (a configuration error at startup)."""
 
 
-def can_pair(a: Instance, b: Instance, protocol: str) -> bool:
-    return a.caps is not None and b.caps is not None and a.caps.can_pair(b.caps, protocol)
+def can_pair(candidate: Instance, role: str, partner: Instance, protocol: str) -> bool:
+    """Whether `candidate`, in `role`, and `partner`, in the other role, can move KV for `protocol`."""
+    if candidate.caps is None or partner.caps is None:
+        return False
+    prefill, decode = (candidate, partner) if role == "prefill" else (partner, candidate)
+    return prefill.caps.can_feed(decode.caps, protocol)
 
 
 class Pairing:
@@ -34,9 +39,9 @@ class Pairing:
         if not self.paired or role not in _OTHER:
             return usable
         if partner is not None:
-            return [i for i in usable if can_pair(i, partner, self.protocol)]
+            return [i for i in usable if can_pair(i, role, partner, self.protocol)]
         others = self.registry.usable(_OTHER[role])
-        return [i for i in usable if any(can_pair(i, o, self.protocol) for o in others)]
+        return [i for i in usable if any(can_pair(i, role, o, self.protocol) for o in others)]
 
     def has_pair(self) -> bool:
         return bool(self.eligible("decode", self.registry.usable("decode"), None))

@@ -29,6 +29,9 @@ class InstanceInfo(msgspec.Struct, frozen=True, kw_only=True):
     engine_id: str | None = None  # the KV side channel, which push-mode decode legs name
     side_channel_host: str | None = None
     side_channel_port: int | None = None
+    # Foreign KV connectors this instance can load from as a decode instance (e.g. "vllm-nixl": vLLM 0.32's
+    # NixlConnector prefill instances), so a gateway may pair it with them for `pull`.
+    kv_sources: list[str] = []
 
 
 def protocols_for(role: str, kv_connector: str | None) -> list[str]:
