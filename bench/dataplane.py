@@ -1,27 +1,35 @@
-"""KV data planes against their machine limits: shm against memcpy, tcp against a raw loopback socket.
+"""KV data planes against their machine limits, on one host and across simulated hosts: shm and nixl against a
+memcpy, tcp and nixl against a raw socket, in the same rounds.
 
-Two processes. A `multiprocessing` spawn child owns a KV pool per plane in the h256 layout ([blocks, 4 layers, 2,
-2 KV heads, 16 tokens, 64] fp32 = 64 KiB a block; 256 MiB by default), pre-touched, serves them with the shm and
-tcp data planes (allow-all authorizer) and runs a raw socket server. The parent reads N blocks through each plane's
-public seam, `plane.connect(info).read_blocks(...)`, into its own pre-touched pool and, in the same rounds:
-  * memcpy: `dst.copy_(src)` of the same bytes between two private tensors (the shm limit);
-  * raw: a 16-byte request, then `sendall` of the same bytes straight from the child's pool, `recv_into` the
-    parent's pool over loopback TCP with TCP_NODELAY, like the plane (the tcp limit).
-Block ids: consecutive, descending (what the allocator hands out after a tail-first free) or scattered. Each method
-reads its own random region each round, the order rotates, the whole pool goes through every path first; rounds
-others disturbed are dropped when enough quiet ones remain. Once per torch thread count in --threads.
+One pass per (where, block size), each with two processes started from this file: the pool owner (one pool per data
+plane, pre-touched, each block's first element its id, served with an allow-all authorizer, and a raw socket server
+over the tcp plane's pool) and the reader, which moves blocks through each plane's public seam into its own pool:
+`plane.connect(info).read_blocks(...)` (pull), and `write_blocks(...)` for the methods ending in `_w` (push). Limits,
+the same bytes in the same rounds:
+  memcpy: `dst.copy_(src)` between two private tensors of the reader (what a one-host plane can reach);
+  raw: a 16-byte request, then `sendall` straight from the owner's pool, `recv_into` the reader's, TCP_NODELAY.
+Where: `host` = both processes in the root namespaces on 127.0.0.1 (UCX may use cross-memory attach); `netns` = the
+owner in its own network and PID namespace, the reader in another (tests/netns.py), joined by a bridge: every byte,
+the raw socket's too, crosses the same veth path, as between two hosts (shm cannot, and is left out).
+Blocks: 64 KiB (the h256 model's: 4 layers x K/V x 2 heads x 16 tokens x 64 dims, fp32) and 2 MiB (a Llama-3-8B bf16
+block's size: 32 layers x K/V x 8 heads x 16 tokens x 64 fp32 here). Every round moves --read-mib per method with ids
+consecutive or scattered at random on both sides; the order rotates, each method its own random region each round;
+rounds others disturbed are dropped when enough quiet ones remain.
 
   .venv/bin/python bench/dataplane.py --quick                                 # smoke run (~1 min)
-  .venv/bin/python bench/dataplane.py --json bench/out/dataplane.json         # the table in docs/benchmarks.md
+  .venv/bin/python bench/dataplane.py --json bench/out/dataplane.json         # the tables in docs/benchmarks.md
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
+import signal
 import socket
 import struct
+import subprocess
 import sys
 import threading
 import time
@@ -33,12 +41,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness as H  # noqa: E402
 from pdserve.kv_transfer.data_plane.tcp import recv_exact  # noqa: E402
 
-TARGET_SHM = 0.8  # shm >= 0.8 x memcpy
-TARGET_TCP = 0.5  # tcp >= 0.5 x raw socket
-SHAPE = (4, 2, 2, 16, 64)  # h256 llama: layers, K/V, KV heads, block_size, head_dim
-BLOCK_BYTES = 4 * 2 * 2 * 16 * 64 * 4
-METHODS = ("memcpy", "shm", "raw", "tcp")
+TARGETS = {"host": ("nixl", "memcpy", 0.8), "netns": ("nixl", "raw", 0.5)}  # where -> (method, limit, ratio)
+SHAPES = {64: (4, 2, 2, 16, 64), 2048: (32, 2, 8, 16, 64)}  # block KiB -> [layers, K/V, heads, tokens, dims] fp32
+LIMITS = ("memcpy", "raw")
 _REQ = struct.Struct("!QQ")  # raw socket request: offset, nbytes (0 closes)
+
+
+def planes_at(where: str) -> list[str]:
+    from pdserve.kv_transfer.data_plane import DATA_PLANES
+
+    return [p for p in ("shm", "tcp", "nixl") if p in DATA_PLANES and (p != "shm" or where == "host")]
+
+
+def methods_at(where: str) -> list[str]:
+    return [*LIMITS, *(m for p in planes_at(where) for m in (p, f"{p}_w") if m != "shm_w")]
+
+
+def limits_for(where: str, method: str) -> tuple[str, ...]:
+    """The limits a method is judged against: memcpy only where both ends share a host's memory."""
+    if where == "netns" or method.startswith("tcp"):
+        return ("raw",)
+    return ("memcpy",) if method == "shm" else LIMITS
 
 
 def _raw_serve(listener: socket.socket, pool: memoryview) -> None:
@@ -57,99 +80,82 @@ def _raw_serve(listener: socket.socket, pool: memoryview) -> None:
             return
 
 
-def pool_owner_main(num_blocks: int, conn: Any) -> None:
-    """The spawn child: one pool per data plane (pre-touched, each block's first element its id), served; a raw
-    socket server over the tcp plane's pool."""
+def owner_main(args: argparse.Namespace) -> None:
+    """Serve one pool per plane and a raw socket; announce them in a ready line; run until SIGTERM."""
     import torch
 
     from pdserve.kv_transfer.data_plane import make_data_plane
     from pdserve.kv_transfer.data_plane.base import byte_view
 
     planes, infos = {}, {}
-    for name in ("shm", "tcp"):
-        plane = make_data_plane(name, "127.0.0.1")
-        kv = plane.allocate((num_blocks, *SHAPE), torch.float32)
+    for name in planes_at(args.where):
+        plane = make_data_plane(name, args.host)
+        kv = plane.allocate((args.num_blocks, *args.shape), torch.float32)
         kv.fill_(1.0)
-        kv[:, 0, 0, 0, 0, 0] = torch.arange(num_blocks, dtype=torch.float32)
+        kv.view(args.num_blocks, -1)[:, 0] = torch.arange(args.num_blocks, dtype=torch.float32)
         plane.start(lambda op, key, token, ids: None)
         planes[name], infos[name] = plane, plane.local_info()
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(1)
+    listener = socket.create_server((args.host, 0))
     threading.Thread(target=_raw_serve, args=(listener, byte_view(planes["tcp"].kv)), daemon=True).start()
-    conn.send({"infos": infos, "raw_port": listener.getsockname()[1], "pid": os.getpid()})
-    try:
-        conn.recv()  # any message (or EOF) means stop
-    except EOFError:
-        pass
-    for plane in planes.values():
-        plane.stop()
+    print(json.dumps({"event": "ready", "infos": infos, "raw": [args.host, listener.getsockname()[1]]}), flush=True)
+    stop = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop)
+    signal.sigwait(stop)
 
 
 class Paths:
-    """The four ways to move N blocks, each a callable (remote ids, local ids); the pool owner runs in a child."""
+    """Every way the reader moves N blocks, each a callable (remote ids, local ids)."""
 
-    def __init__(self, num_blocks: int, cleanup: H.Cleanup, meter: H.CpuMeter) -> None:
-        import multiprocessing as mp
-
+    def __init__(self, args: argparse.Namespace, hello: dict[str, Any]) -> None:
         import torch
 
         from pdserve.kv_transfer.data_plane import make_data_plane
         from pdserve.kv_transfer.data_plane.base import byte_view
 
-        self.n = num_blocks
-        ctx = mp.get_context("spawn")
-        self.pipe, child_conn = ctx.Pipe()
-        self.child = ctx.Process(target=pool_owner_main, args=(num_blocks, child_conn), daemon=True)
-        self.child.start()
-        cleanup.add(self.stop)
-        if not self.pipe.poll(120):
-            raise RuntimeError("the pool owner did not start")
-        hello = self.pipe.recv()
-        self.owner_pid = hello["pid"]
-        meter.pids.append(self.owner_pid)
+        self.n, self.block_bytes = args.num_blocks, args.block_bytes
         self.planes, self.peers = {}, {}
-        for name in ("shm", "tcp"):  # the reader's pool allocated as an instance would (shm: memfd)
+        for name in planes_at(args.where):  # the reader's pool allocated as an instance would (shm: memfd)
             self.planes[name] = make_data_plane(name, "127.0.0.1")
-            self.planes[name].allocate((num_blocks, *SHAPE), torch.float32).fill_(0.5)
+            self.planes[name].allocate((self.n, *args.shape), torch.float32).fill_(0.5)
             self.peers[name] = self.planes[name].connect(hello["infos"][name])
-        self.src, self.dst = torch.full((num_blocks, *SHAPE), 1.0), torch.full((num_blocks, *SHAPE), 0.5)
-        self.sock = socket.create_connection(("127.0.0.1", hello["raw_port"]))
+        self.src, self.dst = torch.full((self.n, *args.shape), 1.0), torch.full((self.n, *args.shape), 0.5)
+        self.sock = socket.create_connection(tuple(hello["raw"]))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.raw_pool = byte_view(self.planes["tcp"].kv)
 
     def run(self, method: str, remote: list[int], local: list[int]) -> None:
-        n = len(remote)  # the limits always move one contiguous span of the same size, also for scattered ids
+        n, bb = len(remote), self.block_bytes  # the limits move one contiguous span of the same size, always
         a, b = min(remote[0], self.n - n), min(local[0], self.n - n)
         if method == "memcpy":
             self.dst[b:b + n].copy_(self.src[a:a + n])
         elif method == "raw":
-            self.sock.sendall(_REQ.pack(a * BLOCK_BYTES, n * BLOCK_BYTES))
-            recv_exact(self.sock, self.raw_pool[b * BLOCK_BYTES:(b + n) * BLOCK_BYTES])
+            self.sock.sendall(_REQ.pack(a * bb, n * bb))
+            recv_exact(self.sock, self.raw_pool[b * bb:(b + n) * bb])
+        elif method.endswith("_w"):
+            self.peers[method[:-2]].write_blocks("bench", "token", local, remote)
         else:
             self.peers[method].read_blocks("bench", "token", remote, local)
 
     def verify(self) -> None:
-        """The block id the owner wrote arrives where it should, through both planes."""
-        for name in ("shm", "tcp"):
-            remote, local = random.Random(1).sample(range(self.n), 64), random.Random(2).sample(range(self.n), 64)
+        """Blocks arrive where they should through every plane: the owner's ids by a read, then ours written back
+        over them and read again."""
+        for name, plane in self.planes.items():
+            remote, local = random.Random(1).sample(range(self.n), 8), random.Random(2).sample(range(self.n), 8)
+            first = plane.kv.view(self.n, -1)[:, 0]
             self.run(name, remote, local)
-            if self.planes[name].kv[local, 0, 0, 0, 0, 0].tolist() != [float(i) for i in remote]:
+            ok = first[local].tolist() == [float(i) for i in remote]
+            if name != "shm":
+                first[local] = first[local] + 0.5
+                self.run(f"{name}_w", remote, local)
+                self.run(name, remote, local[::-1])
+                ok = ok and first[local[::-1]].tolist() == [i + 0.5 for i in remote]
+            if not ok:
                 raise RuntimeError(f"{name} data plane moved the wrong blocks")
 
-    def stop(self) -> None:
-        if not self.child.is_alive():
-            return
+    def close(self) -> None:
         for peer in self.peers.values():
             peer.close()
-        try:
-            self.sock.sendall(_REQ.pack(0, 0))
-            self.pipe.send("stop")
-        except OSError:
-            pass
-        self.child.join(10)
-        if self.child.is_alive():
-            self.child.kill()
+        self.sock.sendall(_REQ.pack(0, 0))
         for plane in self.planes.values():
             plane.stop()
 
@@ -157,126 +163,153 @@ class Paths:
 def ids_for(rng: random.Random, pattern: str, n: int, total: int) -> tuple[list[int], list[int]]:
     if pattern == "scattered":
         return rng.sample(range(total), n), rng.sample(range(total), n)
-    a, b = rng.randrange(total - n), rng.randrange(total - n)
-    remote, local = list(range(a, a + n)), list(range(b, b + n))
-    return (remote, local) if pattern == "consecutive" else (remote[::-1], local[::-1])
+    a, b = rng.randrange(total - n + 1), rng.randrange(total - n + 1)
+    return list(range(a, a + n)), list(range(b, b + n))
 
 
-def measure_case(paths: Paths, meter: H.CpuMeter, args: argparse.Namespace, n: int, pattern: str,
-                 rng: random.Random) -> dict[str, Any]:
-    reps = args.reps if n * BLOCK_BYTES > 16 * H.MiB else args.reps * 2
-    for m in METHODS:  # a few untimed reads of this exact shape
+def measure_case(paths: Paths, meter: H.CpuMeter, args: argparse.Namespace, pattern: str) -> dict[str, Any]:
+    rng, n, methods = random.Random(0), args.read_blocks, methods_at(args.where)
+    for m in methods:  # a few untimed moves of this exact shape
         for _ in range(2):
             paths.run(m, *ids_for(rng, pattern, n, paths.n))
     rounds: list[tuple[float, dict[str, float]]] = []  # (others' cores, seconds per method)
-    cpu = {m: [0.0, 0.0] for m in METHODS}  # reader, owner
-    for _, order in H.rotations(METHODS, reps):
+    cpu = {m: [0.0, 0.0] for m in methods}  # reader, owner
+    for _, order in H.rotations(methods, args.reps):
         if args.wait_idle > 0:
             meter.wait_for_quiet(args.wait_idle, window_s=0.2)
         meter.mark()
         one = {}
         for m in order:
             ids = ids_for(rng, pattern, n, paths.n)
-            c0, o0, t = time.process_time(), H.cpu_seconds(paths.owner_pid), time.perf_counter()
+            c0, o0, t = time.process_time(), sum(map(H.cpu_seconds, meter.pids)), time.perf_counter()
             paths.run(m, *ids)
             one[m] = time.perf_counter() - t
             cpu[m][0] += time.process_time() - c0
-            cpu[m][1] += H.cpu_seconds(paths.owner_pid) - o0
+            cpu[m][1] += sum(map(H.cpu_seconds, meter.pids)) - o0
         rounds.append((meter.since_mark()["others"], one))
-    # Prefer the rounds no other process disturbed (a descheduled torch thread stalls a whole copy).
+    # Prefer the rounds no other process disturbed (a descheduled thread stalls a whole transfer).
     quiet = [r for o, r in rounds if o < H.QUIET_CORES]
-    kept = quiet if len(quiet) >= max(3, reps // 3) else [r for _, r in rounds]
-    times = {m: [r[m] for r in kept] for m in METHODS}
-    nbytes, total_gb = n * BLOCK_BYTES, n * BLOCK_BYTES * len(rounds) / 1e9
-    case: dict[str, Any] = {"threads": args.current_threads, "blocks": n, "pattern": pattern, "bytes": nbytes,
-                            "reps": reps, "rounds_kept": len(kept), "quiet_rounds_only": kept is quiet,
-                            "others_cores_max": max(o for o, _ in rounds)}
-    for m in METHODS:
-        case[f"{m}_GBps"] = nbytes / H.median(times[m]) / 1e9
+    kept = quiet if len(quiet) >= max(3, args.reps // 3) else [r for _, r in rounds]
+    nbytes, total_gb = n * args.block_bytes, n * args.block_bytes * len(rounds) / 1e9
+    case: dict[str, Any] = {"where": args.where, "block_kib": args.block_kib, "blocks": n, "pattern": pattern,
+                            "bytes": nbytes, "reps": args.reps, "rounds_kept": len(kept),
+                            "quiet_rounds_only": kept is quiet, "others_cores_max": max(o for o, _ in rounds)}
+    for m in methods:
+        case[f"{m}_GBps"] = nbytes / H.median([r[m] for r in kept]) / 1e9
         case[f"{m}_cpu_s_per_GB"] = [cpu[m][0] / total_gb, cpu[m][1] / total_gb]
-    case["shm_over_memcpy"] = case["shm_GBps"] / case["memcpy_GBps"]
-    case["tcp_over_raw"] = case["tcp_GBps"] / case["raw_GBps"]
-    # the same ratios round by round (both measured within one round), then the median: steadier under noise
-    case["shm_over_memcpy_paired"] = H.median([b / a for a, b in zip(times["shm"], times["memcpy"])])
-    case["tcp_over_raw_paired"] = H.median([b / a for a, b in zip(times["tcp"], times["raw"])])
+    for m in methods:
+        for limit in LIMITS:  # ratio of medians, and the median of the per-round ratios (steadier under noise)
+            case[f"{m}/{limit}"] = case[f"{m}_GBps"] / case[f"{limit}_GBps"]
+            case[f"{m}/{limit} paired"] = H.median([r[limit] / r[m] for r in kept])
     return case
 
 
-def print_cases(res: dict[str, Any]) -> None:
-    print("\n  KV bytes moved per second (GB/s, median; each byte counted once). memcpy = one contiguous copy of the "
-          "same bytes; raw = loopback TCP stream of the same bytes")
-    print(f"  {'thr':>3} {'blocks':>6} {'ids':<11} {'memcpy':>7} {'shm':>7} {'shm/memcpy':>10} {'paired':>6}  "
-          f"{'raw':>6} {'tcp':>6} {'tcp/raw':>8} {'paired':>6}  {'rounds':>7}  CPU s/GB reader/owner: shm, tcp")
-    for c in res["cases"]:
-        shm_ok = "PASS" if c["shm_over_memcpy"] >= TARGET_SHM else "MISS"
-        tcp_ok = "PASS" if c["tcp_over_raw"] >= TARGET_TCP else "MISS"
-        cpu = ", ".join("{:.2f}/{:.2f}".format(*c[f"{m}_cpu_s_per_GB"]) for m in ("shm", "tcp"))
-        print(f"  {c['threads']:>3} {c['blocks']:>6} {c['pattern']:<11} {c['memcpy_GBps']:>7.2f} {c['shm_GBps']:>7.2f} "
-              f"{c['shm_over_memcpy']:>5.2f} {shm_ok} {c['shm_over_memcpy_paired']:>6.2f}  {c['raw_GBps']:>6.2f} "
-              f"{c['tcp_GBps']:>6.2f} {c['tcp_over_raw']:>4.2f} {tcp_ok} {c['tcp_over_raw_paired']:>6.2f}  "
-              f"{c['rounds_kept']:>3}/{c['reps']:<3}{'q' if c['quiet_rounds_only'] else '!'}  {cpu}")
-    print(f"  targets: shm >= {TARGET_SHM} x memcpy, tcp >= {TARGET_TCP} x raw socket (ratio of medians; paired = "
-          f"median of per-round ratios). rounds kept/run: q = only rounds where others used < {H.QUIET_CORES} "
-          "cores, ! = too few quiet rounds, all kept (noisy)")
-    print("  one 64 KiB block, latency (us, median): "
-          + ", ".join(f"{m} {v:.0f}" for m, v in res["one_block_us"].items()))
+def reader_main(args: argparse.Namespace) -> None:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    hello = json.loads(Path(args.hello).read_text())
+    meter = H.CpuMeter()
+    meter.pids = hello["owner_pids"]  # host PIDs; /proc is the host's in our PID namespace too
+    paths = Paths(args, hello)
+    t0, step = time.monotonic(), max(1, min(args.num_blocks // 2, 8 * H.MiB // args.block_bytes))
+    for m in methods_at(args.where):  # every path moves the whole pool once (page faults on both sides)
+        for start in range(0, args.num_blocks - step + 1, step):
+            paths.run(m, list(range(start, start + step)), list(range(start, start + step)))
+    paths.verify()
+    print(f"  [{args.where}, {args.block_kib} KiB] warm-up {time.monotonic() - t0:.1f} s; placement verified",
+          flush=True)
+    cases = [measure_case(paths, meter, args, pattern) for pattern in args.patterns]
+    paths.close()
+    Path(args.out).write_text(json.dumps(H.to_jsonable(cases)))
+
+
+def run_pass(args: argparse.Namespace, argv: list[str], where: str, kib: int, net: Any, work: Path,
+             cleanup: H.Cleanup) -> list[dict[str, Any]]:
+    """Start the owner, then the reader (each where `where` puts it); the reader's cases."""
+    from pdserve.launcher import start_command
+
+    wrap_o, wrap_r, host = ([], [], "127.0.0.1") if where == "host" else (
+        net["owner"].wrap(), net["reader"].wrap(), net["owner"].address)
+    me = [sys.executable, str(Path(__file__).resolve()), *argv, "--where", where, "--block-kib", str(kib)]
+    owner = start_command(f"owner-{where}-{kib}", [*wrap_o, *me, "--role", "owner", "--host", host],
+                          signal_group=bool(wrap_o))
+    cleanup.add(owner.stop)
+    hello, out = work / f"hello-{where}-{kib}.json", work / f"cases-{where}-{kib}.json"
+    hello.write_text(json.dumps({**owner.ready, "owner_pids": H.descendants(owner.pid)}))
+    subprocess.run([*wrap_r, *me, "--role", "reader", "--hello", str(hello), "--out", str(out)], check=True,
+                   timeout=900)
+    owner.stop()
+    return json.loads(out.read_text())
+
+
+def print_cases(cases: list[dict[str, Any]]) -> None:
+    print("\n  GB/s moved (median; each byte counted once); x = ratio of medians (paired: median of per-round ratios)")
+    for c in cases:
+        rates = " ".join(f"{m} {c[f'{m}_GBps']:.2f}" for m in methods_at(c["where"]))
+        method, limit, bound = TARGETS[c["where"]]
+        ok = "PASS" if c[f"{method}/{limit}"] >= bound else "MISS"
+        ratios = " ".join(f"{m}/{lim} {c[f'{m}/{lim}']:.2f} ({c[f'{m}/{lim} paired']:.2f})"
+                          for m in methods_at(c["where"]) if m not in LIMITS for lim in limits_for(c["where"], m))
+        cpu = ", ".join("{}: {:.2f}/{:.2f}".format(m, *c[f"{m}_cpu_s_per_GB"]) for m in methods_at(c["where"])
+                        if m not in LIMITS)
+        print(f"  {c['where']:<5} {c['block_kib']:>4} KiB x {c['blocks']:>4} {c['pattern']:<11} | {rates}\n"
+              f"      {ratios} | target {method} >= {bound} x {limit}: {ok} | rounds {c['rounds_kept']}/{c['reps']}"
+              f"{'' if c['quiet_rounds_only'] else ' (noisy: all kept)'}, others up to {c['others_cores_max']:.2f}"
+              f" cores\n      CPU s/GB reader/owner: {cpu}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="smoke run: 128 MiB pool, 125 and 512 blocks, 5 rounds")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 128 MiB pools, 8 MiB reads, 4 rounds")
     ap.add_argument("--json", help="write all numbers here")
+    ap.add_argument("--where", default="host,netns", help="host, netns (simulated hosts: needs root)")
+    ap.add_argument("--block-kib", default="64,2048", help=f"block sizes, of {sorted(SHAPES)}")
+    ap.add_argument("--patterns", default="consecutive,scattered")
     ap.add_argument("--pool-mib", type=int, default=256)
-    ap.add_argument("--blocks", default="125,2048", help="blocks per read (125 = one 2000-token prompt)")
-    ap.add_argument("--reps", type=int, default=None, help="rounds (default 21, doubled for reads <= 16 MiB)")
-    ap.add_argument("--threads", default="1,2", help="torch threads for memcpy and the shm copy, one pass each")
-    ap.add_argument("--wait-idle", type=float, default=2.0, help="before each round, wait up to S s for quiet")
+    ap.add_argument("--read-mib", type=int, default=32, help="bytes each method moves per round")
+    ap.add_argument("--reps", type=int, default=None, help="rounds (default 15)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of the reader (memcpy)")
+    ap.add_argument("--wait-idle", type=float, default=1.0, help="before each round, wait up to S s for quiet")
+    ap.add_argument("--role", choices=("owner", "reader"), help=argparse.SUPPRESS)
+    for internal in ("--host", "--hello", "--out"):
+        ap.add_argument(internal, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    args.blocks = [int(x) for x in args.blocks.split(",")]
-    args.threads = [int(x) for x in args.threads.split(",")]
     if args.quick:
-        args.reps, args.pool_mib = args.reps or 5, min(args.pool_mib, 128)
-        args.blocks = [125, 512] if args.blocks == [125, 2048] else args.blocks
-        args.wait_idle = min(args.wait_idle, 0.5)
-    args.reps = args.reps or 21
+        args.reps, args.pool_mib, args.read_mib = args.reps or 4, min(args.pool_mib, 128), min(args.read_mib, 8)
+        args.wait_idle = min(args.wait_idle, 0.3)
+    args.reps = args.reps or 15
+    args.patterns = args.patterns.split(",")
+    if args.role:  # one pass: one place, one block size
+        args.block_kib = int(args.block_kib)
+        args.shape = SHAPES[args.block_kib]
+        args.block_bytes = args.block_kib * 1024
+        args.num_blocks = args.pool_mib * H.MiB // args.block_bytes
+        args.read_blocks = min(args.read_mib * H.MiB // args.block_bytes, args.num_blocks // 2)
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    import torch
-
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    cleanup, meter = H.Cleanup(), H.CpuMeter()
-    num_blocks = args.pool_mib * H.MiB // BLOCK_BYTES
-    print(f"bench/dataplane.py | pool {args.pool_mib} MiB = {num_blocks} blocks x {BLOCK_BYTES // 1024} KiB | "
-          f"torch threads {args.threads} | load {H.loadavg()}", flush=True)
-    res: dict[str, Any] = {"args": vars(args), "num_blocks": num_blocks, "block_bytes": BLOCK_BYTES, "cases": []}
+    if args.role:
+        owner_main(args) if args.role == "owner" else reader_main(args)
+        return 0
+    passthrough = [a for a, b in zip(argv, [None, *argv]) if "--json" not in (a, b) and not a.startswith("--json=")]
+    cleanup = H.Cleanup()
+    work = cleanup.work_dir("dataplane")
+    res: dict[str, Any] = {"args": vars(args), "load_before": H.loadavg(), "cases": []}
+    print(f"bench/dataplane.py | {args.where} | blocks {args.block_kib} KiB | {args.read_mib} MiB per round | "
+          f"{args.reps} rounds | load {res['load_before']}", flush=True)
+    net = H.simulated_hosts(cleanup, "owner", "reader") if "netns" in args.where else None
     try:
-        paths = Paths(num_blocks, cleanup, meter)
-        t0 = time.monotonic()
-        for m in METHODS:  # every path reads the whole pool once (page faults on both sides)
-            for start in range(0, num_blocks - 511, 512):
-                paths.run(m, list(range(start, start + 512)), list(range(start, start + 512)))
-        paths.verify()
-        print(f"  warm-up {time.monotonic() - t0:.1f} s; block placement verified", flush=True)
-        rng = random.Random(0)
-        for threads in args.threads:
-            torch.set_num_threads(threads)
-            args.current_threads = threads
-            for n in [b for b in args.blocks if b <= num_blocks // 2]:
-                for pattern in ("consecutive", "descending", "scattered"):
-                    res["cases"].append(measure_case(paths, meter, args, n, pattern, rng))
-        lat: dict[str, list[float]] = {m: [] for m in METHODS}
-        for _, order in H.rotations(METHODS, args.reps * 10):
-            for m in order:
-                ids = ids_for(rng, "consecutive", 1, num_blocks)
-                t = time.perf_counter()
-                paths.run(m, *ids)
-                lat[m].append(time.perf_counter() - t)
-        res["one_block_us"] = {m: H.median(v) * 1e6 for m, v in lat.items()}
+        for kib in (int(k) for k in args.block_kib.split(",")):
+            for where in args.where.split(","):
+                res["cases"] += run_pass(args, passthrough, where, kib, net, work, cleanup)
     finally:
         cleanup.run()
-    print_cases(res)
+    print_cases(res["cases"])
+    print(f"  load {res['load_before']} -> {H.loadavg()}")
     H.write_json(args.json, res)
     return 0
 

@@ -275,6 +275,16 @@ class Cleanup:
         return work
 
 
+def simulated_hosts(cleanup: Cleanup, *names: str) -> Any:
+    """Hosts on one bridge, each a network namespace (the tests' `netns.Network`), removed in the cleanup."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from netns import Network
+
+    net = Network(*names)
+    cleanup.add(net.close)
+    return net
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -289,20 +299,23 @@ class Servers:
         self.cleanup, self.meter = cleanup, meter
         self.procs: dict[str, Any] = {}
 
-    def instance(self, key: str, model: Path, *args: str, env: dict[str, str] | None = None) -> Any:
+    def instance(self, key: str, model: Path, *args: str, env: dict[str, str] | None = None,
+                 host: str = "127.0.0.1", wrap: list[str] | None = None) -> Any:
+        """`host` and `wrap` place it on a simulated host (tests/netns.py: `Host.address`, `Host.wrap()`)."""
         from pdserve.launcher import start_instance
 
-        return self._keep(key, start_instance(model, *args, name=key, env=env, timeout=180))
+        return self._keep(key, start_instance(model, *args, name=key, env=env, timeout=180, host=host, wrap=wrap))
 
-    def gateway(self, key: str, *args: str) -> Any:
+    def gateway(self, key: str, *args: str, host: str = "127.0.0.1", wrap: list[str] | None = None) -> Any:
         from pdserve.launcher import start
 
-        return self._keep(key, start(key, ["gateway", *args, "--port", "0", "--log-level", "warning"]))
+        return self._keep(key, start(key, ["gateway", *args, "--host", host, "--port", "0", "--log-level",
+                                           "warning"], wrap=wrap))
 
     def _keep(self, key: str, proc: Any) -> Any:
         self.procs[key] = proc
         self.cleanup.add(proc.stop)
-        self.meter.pids.append(proc.pid)
+        self.meter.pids += descendants(proc.pid)  # a wrapped server runs below its wrapper
         return proc
 
     def url(self, key: str) -> str:
@@ -317,10 +330,11 @@ class Servers:
         return ", ".join(f"{n} pid {p.pid}" for n, p in self.procs.items())
 
 
-def kv_config(role: str, plane: str = "auto") -> str:
+def kv_config(role: str, plane: str = "auto", **extra: Any) -> str:
     cfg: dict[str, Any] = {"kv_connector": "PdConnector", "kv_role": role}
-    if plane != "auto":
-        cfg["kv_connector_extra_config"] = {"data_plane": plane}
+    extra = extra if plane == "auto" else {"data_plane": plane, **extra}
+    if extra:
+        cfg["kv_connector_extra_config"] = extra
     return json.dumps(cfg)
 
 

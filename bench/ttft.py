@@ -17,6 +17,8 @@ kv_transfer_load_seconds) and, where the servers keep one, the request's timelin
   .venv/bin/python bench/ttft.py --json bench/out/ttft.json                 # push/pull/colocated, mnbt 4096 and 512
   .venv/bin/python bench/ttft.py --modes C,pd --planes shm,tcp --lengths 256,1024,2000 --mnbt 2048 --reps 9 \\
       --json bench/out/pd.json                                              # 1P1D vs colocated per data plane
+  .venv/bin/python bench/ttft.py --netns --planes nixl,tcp --modes C,C_gw,pull,push --lengths 2048 --mnbt 4096 \\
+      --json bench/out/ttft-netns.json                                      # P, D, C on simulated hosts (root)
 """
 
 from __future__ import annotations
@@ -39,30 +41,41 @@ MODEL_NAME = "h256"
 MODES = ("C", "C_gw", "pull", "push", "pd")
 # mode -> (ratio bound, prompt length, baseline) for the targets the issues set.
 TARGETS = {"push": (1.05, 2048, "C_gw"), "pd": (1.15, 2000, "C")}
+TARGETS_NETNS = {"pull": (1.15, 2048, "C_gw"), "push": (1.15, 2048, "C_gw")}  # across simulated hosts
 GW_PROTOCOL = {"C_gw": "colocated", "pull": "pull", "push": "push"}
 
 
 class Set:
-    """P, D, C and the gateways the requested modes need, for one (max_num_batched_tokens, data plane) pair."""
+    """P, D, C and the gateways the requested modes need, for one (max_num_batched_tokens, data plane) pair; with
+    `net` (tests/netns.py) P, D and C each on a simulated host of their own, the gateways on the client's."""
 
-    def __init__(self, args: argparse.Namespace, servers: H.Servers, model: Path, mnbt: int, plane: str) -> None:
-        self.args, self.servers, self.model, self.mnbt, self.plane = args, servers, model, mnbt, plane
-        self.label = f"mnbt {mnbt}, plane {plane}"
+    def __init__(self, args: argparse.Namespace, servers: H.Servers, model: Path, mnbt: int, plane: str,
+                 net: Any = None) -> None:
+        self.args, self.servers, self.model, self.mnbt, self.plane, self.net = args, servers, model, mnbt, plane, net
+        self.label = f"mnbt {mnbt}, plane {plane}{', across namespaces' if net else ''}"
+
+    def _on(self, name: str) -> dict[str, Any]:
+        if self.net is None:
+            return {}
+        return {"host": self.net[name].address, "wrap": self.net[name].wrap(own_pids=name != "client")}
 
     def start(self) -> None:
         a, sv = self.args, self.servers
         common = ["--max-model-len", str(a.max_model_len), "--num-kv-blocks", str(a.kv_blocks), "--threads",
                   str(a.threads), "--max-num-batched-tokens", str(self.mnbt), "--served-model-name", MODEL_NAME,
                   "--log-level", "warning"]
-        if set(a.modes) - {"C", "C_gw"}:
-            sv.instance("P", self.model, *common, "--kv-transfer-config", H.kv_config("kv_producer", self.plane))
-            sv.instance("D", self.model, *common, "--kv-transfer-config", H.kv_config("kv_consumer", self.plane))
-        sv.instance("C", self.model, *common)
+        for name, role in (("P", "kv_producer"), ("D", "kv_consumer")):
+            if set(a.modes) - {"C", "C_gw"}:
+                side = {"side_channel_host": self.net[name].address} if self.net else {}
+                sv.instance(name, self.model, *common, "--kv-transfer-config", H.kv_config(role, self.plane, **side),
+                            **self._on(name))
+        sv.instance("C", self.model, *common, **self._on("C"))
         for mode in ("pull", "push"):
             if mode in a.modes:
-                sv.gateway(f"G_{mode}", "--prefill", sv.url("P"), "--decode", sv.url("D"), "--protocol", mode)
+                sv.gateway(f"G_{mode}", "--prefill", sv.url("P"), "--decode", sv.url("D"), "--protocol", mode,
+                           **self._on("client"))
         if "C_gw" in a.modes:
-            sv.gateway("G_C_gw", "--both", sv.url("C"), "--protocol", "colocated")
+            sv.gateway("G_C_gw", "--both", sv.url("C"), "--protocol", "colocated", **self._on("client"))
         print(f"  [{self.label}] {sv.describe()}", flush=True)
 
     def body(self, prompt: list[int], stream: bool = True) -> dict[str, Any]:
@@ -164,7 +177,7 @@ def run_set(s: Set, args: argparse.Namespace, client: Any, meter: H.CpuMeter) ->
                 samples[f"{mode}/{n}"].append({**s.send(client, mode, prompt(n), meter), "rep": rep})
         print(f"  [{s.label}] round {rep + 1}/{args.reps} | load {H.loadavg()}", flush=True)
     return {"mnbt": s.mnbt, "plane": s.plane, "modes": args.modes, "agree": agree, "samples": samples,
-            "rows": [row(samples, args.modes, n) for n in args.lengths]}
+            "rows": [{**row(samples, args.modes, n), "netns": s.net is not None} for n in args.lengths]}
 
 
 def row(samples: dict[str, list[dict[str, Any]]], modes: list[str], n: int) -> dict[str, Any]:
@@ -214,7 +227,7 @@ def row(samples: dict[str, list[dict[str, Any]]], modes: list[str], n: int) -> d
 
 
 def verdict(r: dict[str, Any], m: str) -> str:
-    bound, length, base = TARGETS.get(m, (None, None, None))
+    bound, length, base = (TARGETS_NETNS if r.get("netns") else TARGETS).get(m, (None, None, None))
     if bound is None or r["len"] != length or f"{m}/{base}" not in r:
         return ""
     return f"{'PASS' if r[f'{m}/{base}'] <= bound else 'MISS'} (<= {bound} x {base})"
@@ -255,7 +268,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--modes", default="C,C_gw,pull,push", help=f"comma-separated, of {','.join(MODES)}")
     ap.add_argument("--lengths", default="256,1024,2048,4096")
     ap.add_argument("--mnbt", default="4096,512", help="--max-num-batched-tokens of every instance; one set each")
-    ap.add_argument("--planes", default="auto", help="data planes, one set each: auto (= shm here), shm, tcp")
+    ap.add_argument("--planes", default="auto", help="data planes, one set each: auto (= shm here), shm, tcp, nixl")
+    ap.add_argument("--netns", action="store_true", help="P, D, C and the client+gateways on simulated hosts "
+                    "(network namespaces on a bridge, P, D and C in PID namespaces of their own; needs root)")
     ap.add_argument("--reps", type=int, default=None, help="rounds (default 7; quick 3)")
     ap.add_argument("--warmup", type=int, default=None, help="warm-up requests per mode and length (default 2)")
     ap.add_argument("--max-tokens", type=int, default=2)
@@ -294,18 +309,22 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     try:
         model = make_model(work, max(args.max_model_len, 2048))
+        net = H.simulated_hosts(cleanup, "client", "P", "D", "C") if args.netns else None
+        # Across namespaces every request leaves from a thread inside the client's namespace (its sockets live there)
+        measure = net["client"].call if net else lambda fn, *a: fn(*a)
         with H.http_client(300) as client:
             for mnbt in args.mnbt:
                 for plane in args.planes:
                     servers = H.Servers(cleanup, meter)
-                    s = Set(args, servers, model, mnbt, plane)
+                    s = Set(args, servers, model, mnbt, plane, net)
                     s.start()
-                    results["sets"].append(run_set(s, args, client, meter))
+                    results["sets"].append(measure(run_set, s, args, client, meter))
                     servers.stop()
                     print_set(results["sets"][-1])
     finally:
         cleanup.run()
-    print("\n== Summary: " + "; ".join(f"{m} <= {b} x {base} at {n} tokens" for m, (b, n, base) in TARGETS.items()
+    targets = TARGETS_NETNS if args.netns else TARGETS
+    print("\n== Summary: " + "; ".join(f"{m} <= {b} x {base} at {n} tokens" for m, (b, n, base) in targets.items()
                                        if m in args.modes))
     for res in results["sets"]:
         for r in res["rows"]:
