@@ -7,13 +7,14 @@ over the tcp plane's pool) and the reader, which moves blocks through each plane
 `plane.connect(info).read_blocks(...)` (pull), and `write_blocks(...)` for the methods ending in `_w` (push). Limits,
 the same bytes in the same rounds:
   memcpy: `dst.copy_(src)` between two private tensors of the reader (what a one-host plane can reach);
-  raw: a 16-byte request, then `sendall` straight from the owner's pool, `recv_into` the reader's, TCP_NODELAY.
+  raw: a 16-byte request, then `sendall` straight from the owner's pool, `recv_into` the reader's, TCP_NODELAY;
+  cma (one host): one `process_vm_readv` from the owner's pool, the kernel copy UCX's cross-memory attach makes.
 Where: `host` = both processes in the root namespaces on 127.0.0.1 (UCX may use cross-memory attach); `netns` = the
 owner in its own network and PID namespace, the reader in another (tests/netns.py), joined by a bridge: every byte,
 the raw socket's too, crosses the same veth path, as between two hosts (shm cannot, and is left out).
 Blocks: 64 KiB (the h256 model's: 4 layers x K/V x 2 heads x 16 tokens x 64 dims, fp32) and 2 MiB (a Llama-3-8B bf16
 block's size: 32 layers x K/V x 8 heads x 16 tokens x 64 fp32 here). Every round moves --read-mib per method with ids
-consecutive or scattered at random on both sides; the order rotates, each method its own random region each round;
+consecutive or scattered at random on both sides (and one block alone: the fixed cost); the order rotates, each method its own random region each round;
 rounds others disturbed are dropped when enough quiet ones remain.
 
   .venv/bin/python bench/dataplane.py --quick                                 # smoke run (~1 min)
@@ -23,6 +24,7 @@ rounds others disturbed are dropped when enough quiet ones remain.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import random
@@ -43,7 +45,7 @@ from pdserve.kv_transfer.data_plane.tcp import recv_exact  # noqa: E402
 
 TARGETS = {"host": ("nixl", "memcpy", 0.8), "netns": ("nixl", "raw", 0.5)}  # where -> (method, limit, ratio)
 SHAPES = {64: (4, 2, 2, 16, 64), 2048: (32, 2, 8, 16, 64)}  # block KiB -> [layers, K/V, heads, tokens, dims] fp32
-LIMITS = ("memcpy", "raw")
+LIMITS = {"host": ("memcpy", "raw", "cma"), "netns": ("raw",)}
 _REQ = struct.Struct("!QQ")  # raw socket request: offset, nbytes (0 closes)
 
 
@@ -54,14 +56,26 @@ def planes_at(where: str) -> list[str]:
 
 
 def methods_at(where: str) -> list[str]:
-    return [*LIMITS, *(m for p in planes_at(where) for m in (p, f"{p}_w") if m != "shm_w")]
+    return [*LIMITS[where], *(m for p in planes_at(where) for m in (p, f"{p}_w") if m != "shm_w")]
 
 
 def limits_for(where: str, method: str) -> tuple[str, ...]:
-    """The limits a method is judged against: memcpy only where both ends share a host's memory."""
+    """The limits a method is judged against: memcpy and cma only where both ends share a host's memory."""
     if where == "netns" or method.startswith("tcp"):
         return ("raw",)
-    return ("memcpy",) if method == "shm" else LIMITS
+    return ("memcpy", "cma") if method == "shm" else LIMITS[where]
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def cma_read(pid: int, remote_addr: int, local_addr: int, nbytes: int) -> None:
+    """One process_vm_readv of a contiguous span: the kernel copy UCX's cross-memory-attach transport makes."""
+    local, remote = _Iovec(local_addr, nbytes), _Iovec(remote_addr, nbytes)
+    if ctypes.CDLL(None, use_errno=True).process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1,
+                                                          0) != nbytes:
+        raise OSError(ctypes.get_errno(), "process_vm_readv")
 
 
 def _raw_serve(listener: socket.socket, pool: memoryview) -> None:
@@ -122,6 +136,7 @@ class Paths:
         self.sock = socket.create_connection(tuple(hello["raw"]))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.raw_pool = byte_view(self.planes["tcp"].kv)
+        self.owner_pid, self.cma_from = hello["owner_pids"][0], int(hello["infos"].get("nixl", {}).get("addr", 0))
 
     def run(self, method: str, remote: list[int], local: list[int]) -> None:
         n, bb = len(remote), self.block_bytes  # the limits move one contiguous span of the same size, always
@@ -131,6 +146,8 @@ class Paths:
         elif method == "raw":
             self.sock.sendall(_REQ.pack(a * bb, n * bb))
             recv_exact(self.sock, self.raw_pool[b * bb:(b + n) * bb])
+        elif method == "cma":  # from the owner's nixl pool into ours, what UCX moves on one host
+            cma_read(self.owner_pid, self.cma_from + a * bb, self.planes["nixl"].kv.data_ptr() + b * bb, n * bb)
         elif method.endswith("_w"):
             self.peers[method[:-2]].write_blocks("bench", "token", local, remote)
         else:
@@ -168,7 +185,8 @@ def ids_for(rng: random.Random, pattern: str, n: int, total: int) -> tuple[list[
 
 
 def measure_case(paths: Paths, meter: H.CpuMeter, args: argparse.Namespace, pattern: str) -> dict[str, Any]:
-    rng, n, methods = random.Random(0), args.read_blocks, methods_at(args.where)
+    rng, methods = random.Random(0), methods_at(args.where)
+    n = 1 if pattern == "one" else args.read_blocks
     for m in methods:  # a few untimed moves of this exact shape
         for _ in range(2):
             paths.run(m, *ids_for(rng, pattern, n, paths.n))
@@ -196,9 +214,10 @@ def measure_case(paths: Paths, meter: H.CpuMeter, args: argparse.Namespace, patt
                             "quiet_rounds_only": kept is quiet, "others_cores_max": max(o for o, _ in rounds)}
     for m in methods:
         case[f"{m}_GBps"] = nbytes / H.median([r[m] for r in kept]) / 1e9
+        case[f"{m}_us"] = H.median([r[m] for r in kept]) * 1e6
         case[f"{m}_cpu_s_per_GB"] = [cpu[m][0] / total_gb, cpu[m][1] / total_gb]
     for m in methods:
-        for limit in LIMITS:  # ratio of medians, and the median of the per-round ratios (steadier under noise)
+        for limit in LIMITS[args.where]:  # ratio of medians, and the median of the per-round ratios (steadier under noise)
             case[f"{m}/{limit}"] = case[f"{m}_GBps"] / case[f"{limit}_GBps"]
             case[f"{m}/{limit} paired"] = H.median([r[limit] / r[m] for r in kept])
     return case
@@ -246,13 +265,15 @@ def run_pass(args: argparse.Namespace, argv: list[str], where: str, kib: int, ne
 def print_cases(cases: list[dict[str, Any]]) -> None:
     print("\n  GB/s moved (median; each byte counted once); x = ratio of medians (paired: median of per-round ratios)")
     for c in cases:
-        rates = " ".join(f"{m} {c[f'{m}_GBps']:.2f}" for m in methods_at(c["where"]))
+        unit, spec = ("us", ".0f") if c["pattern"] == "one" else ("GBps", ".2f")
+        rates = " ".join(f"{m} {c[f'{m}_{unit}']:{spec}}" for m in methods_at(c["where"])) + f" ({unit})"
         method, limit, bound = TARGETS[c["where"]]
-        ok = "PASS" if c[f"{method}/{limit}"] >= bound else "MISS"
+        ok = "-" if c["pattern"] == "one" else "PASS" if c[f"{method}/{limit}"] >= bound else "MISS"
         ratios = " ".join(f"{m}/{lim} {c[f'{m}/{lim}']:.2f} ({c[f'{m}/{lim} paired']:.2f})"
-                          for m in methods_at(c["where"]) if m not in LIMITS for lim in limits_for(c["where"], m))
+                          for m in methods_at(c["where"]) if m not in LIMITS[c["where"]]
+                          for lim in limits_for(c["where"], m))
         cpu = ", ".join("{}: {:.2f}/{:.2f}".format(m, *c[f"{m}_cpu_s_per_GB"]) for m in methods_at(c["where"])
-                        if m not in LIMITS)
+                        if m not in LIMITS[c["where"]])
         print(f"  {c['where']:<5} {c['block_kib']:>4} KiB x {c['blocks']:>4} {c['pattern']:<11} | {rates}\n"
               f"      {ratios} | target {method} >= {bound} x {limit}: {ok} | rounds {c['rounds_kept']}/{c['reps']}"
               f"{'' if c['quiet_rounds_only'] else ' (noisy: all kept)'}, others up to {c['others_cores_max']:.2f}"
@@ -265,7 +286,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--json", help="write all numbers here")
     ap.add_argument("--where", default="host,netns", help="host, netns (simulated hosts: needs root)")
     ap.add_argument("--block-kib", default="64,2048", help=f"block sizes, of {sorted(SHAPES)}")
-    ap.add_argument("--patterns", default="consecutive,scattered")
+    ap.add_argument("--patterns", default="consecutive,scattered,one", help="one = a single block: the fixed cost")
     ap.add_argument("--pool-mib", type=int, default=256)
     ap.add_argument("--read-mib", type=int, default=32, help="bytes each method moves per round")
     ap.add_argument("--reps", type=int, default=None, help="rounds (default 15)")
