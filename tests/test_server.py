@@ -251,7 +251,7 @@ def test_client_disconnect_aborts_and_frees_blocks(server, stream):
     body = (b'{"prompt": "long one", "max_tokens": 200, "ignore_eos": true, "stream": '
             + (b"true" if stream else b"false") + b"}")
     sock = _raw_request(server.port, body)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30  # generous: a box busy with other work may admit it late
     while metric_values(server.url)["vllm:num_requests_running"] < 1:
         assert time.monotonic() < deadline, "request never started"
         time.sleep(0.01)
