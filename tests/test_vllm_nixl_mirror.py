@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from conftest import random_prompt
-from pdserve.launcher import start_instance
+from pdserve.launcher import LaunchError, start, start_instance
 from server_utils import data_planes, metric_values, processes, toy_proxy, wait_for, wait_until_idle
 
 pytestmark = pytest.mark.parametrize("plane", data_planes("nixl"))
@@ -30,11 +30,13 @@ def pair(models):
     consumer = {"kv_connector": "PdConnector", "kv_role": "kv_consumer",
                 "kv_connector_extra_config": {"vllm_nixl": True}}
     common = ("--max-model-len", "512", "--num-kv-blocks", "128", "--served-model-name", "tiny")
+    plain = {"kv_connector": "PdConnector", "kv_role": "kv_producer"}
     with processes(
             P=lambda: start_instance(model, *common, "--kv-transfer-config", json.dumps(producer), name="P"),
             D=lambda: start_instance(model, *common, "--kv-transfer-config", json.dumps(consumer), name="D"),
+            plainP=lambda: start_instance(model, *common, "--kv-transfer-config", json.dumps(plain), name="plainP"),
     ) as procs:
-        yield {"P": procs["P"].url, "D": procs["D"].url}
+        yield {name: proc.url for name, proc in procs.items()}
 
 
 def body(prompt: list[int], **extra) -> dict:
@@ -91,3 +93,27 @@ def test_a_full_mirror_hands_off_nothing(pair, plane):
     assert not answer.get("kv_transfer_params")
     assert held(p) == 0
     wait_until_idle(p)
+
+
+def gateway(*args: str):
+    return start("gateway", ["gateway", "--port", "0", "--log-level", "warning", "--protocol", "pull", *args])
+
+
+def test_gateway_asks_for_vllms_shape_when_the_decoder_is_vllm(pair, plane, recorded):
+    """With a vLLM NixlConnector D (a fake that records what it is sent), the gateway pairs it only with a pdserve P
+    that lists vLLM among its KV sinks, asks that P for vLLM's shape, and hands D exactly vLLM's fields."""
+    start_fake, received = recorded
+    vllm_d = start_fake("vD", "--kind", "vllm").url
+    with pytest.raises(LaunchError) as refused:
+        gateway("--prefill", pair["plainP"], "--decode", vllm_d)
+    assert "can serve the pull protocol" in str(refused.value)
+    g = gateway("--prefill", pair["P"], "--decode", vllm_d)
+    try:
+        r = httpx.post(f"{g.url}/v1/completions", json=body(random_prompt(40, 63)), timeout=60)
+        assert r.status_code == 200, r.text
+    finally:
+        g.stop()
+    params = received("vD")[-1]["body"]["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True and len(params["remote_block_ids"][0]) == 2
+    assert not {"transfer_token", "transfer_id", "remote_prompt_hash", "hand_off"} & set(params)
+    wait_for(lambda: held(pair["P"]) == 0, timeout=LEASE_S * 5, what="the lease to free the unread mirror blocks")
