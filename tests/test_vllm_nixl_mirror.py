@@ -117,3 +117,23 @@ def test_gateway_asks_for_vllms_shape_when_the_decoder_is_vllm(pair, plane, reco
     assert params["do_remote_prefill"] is True and len(params["remote_block_ids"][0]) == 2
     assert not {"transfer_token", "transfer_id", "remote_prompt_hash", "hand_off"} & set(params)
     wait_for(lambda: held(pair["P"]) == 0, timeout=LEASE_S * 5, what="the lease to free the unread mirror blocks")
+
+
+def test_staged_pick_of_a_vllm_decoder_after_a_pdserve_shaped_answer_recomputes(pair, plane, recorded):
+    """Staged scheduling picks D after P answered, in pdserve's shape (no D was known to ask for vLLM's): a vLLM D
+    is sent the plain request, never parameters it cannot read, and P's KV is released at once, not left to the
+    lease."""
+    start_fake, received = recorded
+    vllm_d = start_fake("vD", "--kind", "vllm").url
+    before = metric_values(pair["P"])
+    g = gateway("--prefill", pair["P"], "--decode", vllm_d, "--scheduling", "staged")
+    try:
+        r = httpx.post(f"{g.url}/v1/completions", json=body(random_prompt(40, 64)), timeout=60)
+        assert r.status_code == 200, r.text
+        assert 'reason="kv_params_not_vllm_shaped"} 1.0' in httpx.get(f"{g.url}/metrics").text
+    finally:
+        g.stop()
+    assert "kv_transfer_params" not in received("vD")[-1]["body"]
+    wait_for(lambda: held(pair["P"]) == 0, timeout=LEASE_S / 2, what="the gateway's release to free P's KV")
+    after = metric_values(pair["P"])
+    assert after["pdserve:kv_releases_received_total"] - before["pdserve:kv_releases_received_total"] == 1
