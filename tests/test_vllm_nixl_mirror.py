@@ -16,7 +16,8 @@ import pytest
 
 from conftest import random_prompt
 from pdserve.launcher import LaunchError, start, start_instance
-from server_utils import data_planes, metric_values, processes, toy_proxy, wait_for, wait_until_idle
+from server_utils import (completion_body, data_planes, disaggregated_equals_colocated, metric_values, processes,
+                          wait_for, wait_until_idle)
 
 pytestmark = pytest.mark.parametrize("plane", data_planes("nixl"))
 LEASE_S = 4
@@ -39,11 +40,6 @@ def pair(models):
         yield {name: proc.url for name, proc in procs.items()}
 
 
-def body(prompt: list[int], **extra) -> dict:
-    return {"model": "tiny", "prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
-            "logprobs": 1, "return_token_ids": True, **extra}
-
-
 def held(url: str) -> float:
     values = metric_values(url)
     return values["pdserve:kv_leases_held"] + values["pdserve:kv_vllm_mirror_blocks_held"]
@@ -52,18 +48,9 @@ def held(url: str) -> float:
 @pytest.mark.parametrize("length", [20, 150], ids=["one-mirror-block", "five-mirror-blocks"])
 def test_vllm_loader_reads_the_mirror(pair, plane, length):
     p, d = pair["P"], pair["D"]
-    prompt = random_prompt(length, 60 + length)
-    expected = httpx.post(f"{p}/v1/completions", json=body(prompt), timeout=120).json()
     before_p, before_d = metric_values(p), metric_values(d)
-    with httpx.Client(timeout=120) as client:
-        response, p_json = toy_proxy(client, p, d, "/v1/completions", body(prompt))
-    assert response.status_code == 200, response.text
-    params = p_json["kv_transfer_params"]
+    params = disaggregated_equals_colocated(p, p, d, random_prompt(length, 60 + length))
     assert len(params["remote_block_ids"][0]) == -(-length // 32) and "transfer_token" not in params
-    got, want = response.json()["choices"][0], expected["choices"][0]
-    assert got["token_ids"] == want["token_ids"]
-    for a, b in zip(got["logprobs"]["token_logprobs"], want["logprobs"]["token_logprobs"], strict=True):
-        assert abs(a - b) <= 1e-3
     after_d = wait_until_idle(d)
     assert after_d["pdserve:kv_transfer_loads_ok_total"] - before_d["pdserve:kv_transfer_loads_ok_total"] == 1
     wait_for(lambda: held(p) == 0, timeout=LEASE_S * 3, what="P's mirror hold to end")
@@ -75,7 +62,7 @@ def test_vllm_loader_reads_the_mirror(pair, plane, length):
 def test_unread_mirror_blocks_return_when_the_lease_ends(pair, plane):
     p = pair["P"]
     before = metric_values(p)
-    answer = httpx.post(f"{p}/v1/completions", timeout=120, json=body(random_prompt(70, 61), max_tokens=1,
+    answer = httpx.post(f"{p}/v1/completions", timeout=120, json=completion_body(random_prompt(70, 61), max_tokens=1,
                         kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})).json()
     assert len(answer["kv_transfer_params"]["remote_block_ids"]) == 1  # one KV group, as vLLM 0.32 lists them
     assert metric_values(p)["pdserve:kv_vllm_mirror_blocks_held"] == 3  # 70 tokens in blocks of 32
@@ -88,7 +75,7 @@ def test_unread_mirror_blocks_return_when_the_lease_ends(pair, plane):
 def test_a_full_mirror_hands_off_nothing(pair, plane):
     """More vLLM blocks than the mirror has: P answers without transfer parameters (D computes the prompt)."""
     p = pair["P"]
-    answer = httpx.post(f"{p}/v1/completions", timeout=120, json=body(random_prompt(510, 62), max_tokens=1,
+    answer = httpx.post(f"{p}/v1/completions", timeout=120, json=completion_body(random_prompt(510, 62), max_tokens=1,
                         kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})).json()
     assert not answer.get("kv_transfer_params")
     assert held(p) == 0
@@ -109,7 +96,7 @@ def test_gateway_asks_for_vllms_shape_when_the_decoder_is_vllm(pair, plane, reco
     assert "can serve the pull protocol" in str(refused.value)
     g = gateway("--prefill", pair["P"], "--decode", vllm_d)
     try:
-        r = httpx.post(f"{g.url}/v1/completions", json=body(random_prompt(40, 63)), timeout=60)
+        r = httpx.post(f"{g.url}/v1/completions", json=completion_body(random_prompt(40, 63)), timeout=60)
         assert r.status_code == 200, r.text
     finally:
         g.stop()
@@ -128,7 +115,7 @@ def test_staged_pick_of_a_vllm_decoder_after_a_pdserve_shaped_answer_recomputes(
     before = metric_values(pair["P"])
     g = gateway("--prefill", pair["P"], "--decode", vllm_d, "--scheduling", "staged")
     try:
-        r = httpx.post(f"{g.url}/v1/completions", json=body(random_prompt(40, 64)), timeout=60)
+        r = httpx.post(f"{g.url}/v1/completions", json=completion_body(random_prompt(40, 64)), timeout=60)
         assert r.status_code == 200, r.text
         assert 'reason="kv_params_not_vllm_shaped"} 1.0' in httpx.get(f"{g.url}/metrics").text
     finally:

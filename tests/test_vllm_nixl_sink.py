@@ -14,16 +14,16 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import msgspec
 import pytest
 import zmq
 
 from conftest import random_prompt
 from pdserve.kv_transfer.vllm_nixl.wire import AgentMetadata, HandshakePayload
-from pdserve.launcher import start, start_instance
+from pdserve.launcher import start_instance
 from peers import free_port
-from server_utils import CROSS_PROCESS_LOGPROB_TOL, metric_values, toy_proxy, wait_for, wait_until_idle
+from server_utils import (disaggregated_equals_colocated, gateway_pull_equals_colocated, metric_values, wait_for,
+                          wait_until_idle)
 from vllm_live import ready, start_vllm, vllm_pulled
 
 pytestmark = pytest.mark.vllm
@@ -53,19 +53,6 @@ def pair(models):
             proc.stop()
 
 
-def body(prompt: list[int], **extra) -> dict:
-    return {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
-            "logprobs": 2, "return_token_ids": True, **extra}
-
-
-def assert_same_answer(got: dict, expected: dict) -> None:
-    mine, theirs = got["choices"][0], expected["choices"][0]
-    assert mine["token_ids"] == theirs["token_ids"]
-    assert mine["text"] == theirs["text"]
-    for a, b in zip(mine["logprobs"]["token_logprobs"], theirs["logprobs"]["token_logprobs"], strict=True):
-        assert abs(a - b) <= CROSS_PROCESS_LOGPROB_TOL, (mine["logprobs"], theirs["logprobs"])
-
-
 def assert_p_freed_by_notification(p_url: str, before: dict[str, float]) -> None:
     """P holds nothing, pool blocks or mirror blocks, and no lease ran out: vLLM's read-done freed them."""
     def held() -> float:
@@ -81,15 +68,10 @@ def assert_p_freed_by_notification(p_url: str, before: dict[str, float]) -> None
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["one-vllm-block", "three-vllm-blocks"])
 def test_vllm_decode_pulls_kv_from_pdserve_prefill(pair, prompt):
     vd, pp = pair["vD"], pair["pP"]
-    expected = httpx.post(f"{vd}/v1/completions", json=body(prompt), timeout=120).json()
     before, pulled = metric_values(pp), vllm_pulled(vd)
-    with httpx.Client(timeout=120) as client:
-        response, p_json = toy_proxy(client, pp, vd, "/v1/completions", body(prompt))
-    assert response.status_code == 200, response.text
-    params = p_json["kv_transfer_params"]
+    params = disaggregated_equals_colocated(vd, pp, vd, prompt)
     assert params["remote_port"] == pair["side_channel"] and "transfer_token" not in params
     assert len(params["remote_block_ids"]) == 1 and len(params["remote_block_ids"][0]) == -(-len(prompt) // 128)
-    assert_same_answer(response.json(), expected)
     assert vllm_pulled(vd) - pulled == len(prompt)
     assert_p_freed_by_notification(pp, before)
 
@@ -99,22 +81,16 @@ def test_gateway_pairs_pdserve_prefill_with_a_vllm_decode_that_reads_from_it(pai
     could not start: no pair); the answer equals colocated vLLM, and vLLM D received the KV."""
     vd, pp = pair["vD"], pair["pP"]
     prompt = random_prompt(150, 53)
-    expected = httpx.post(f"{vd}/v1/completions", json=body(prompt), timeout=120).json()
     before, pulled = metric_values(pp), vllm_pulled(vd)
-    g = start("gateway", ["gateway", "--port", "0", "--log-level", "warning", "--prefill", pp, "--decode", vd,
-                          "--protocol", "pull"])
-    try:
-        response = httpx.post(f"{g.url}/v1/completions", json=body(prompt), timeout=120)
-        assert response.status_code == 200, response.text
-        assert_same_answer(response.json(), expected)
-    finally:
-        g.stop()
+    gateway_pull_equals_colocated(vd, pp, vd, prompt)
     assert vllm_pulled(vd) - pulled == len(prompt)
     assert_p_freed_by_notification(pp, before)
 
 
 def test_side_channel_refuses_anything_but_vllms_handshake(pair):
     """Garbage, another rank, a pdserve-looking message: each gets a refusal, and the handshake still works."""
+    refusals = "pdserve:kv_vllm_side_channel_refusals_total"
+    before = metric_values(pair["pP"])[refusals]
     ctx = zmq.Context()
     try:
         for request in (b"\xff\x00garbage", msgspec.msgpack.encode((b"get_meta_msg", 0, 1)),
@@ -135,6 +111,7 @@ def test_side_channel_refuses_anything_but_vllms_handshake(pair):
                                       type=AgentMetadata)
         assert meta.attn_backend_name == "CPU_ATTN" and meta.block_size == 128 and len(meta.block_lens) == 2
         assert isinstance(msgspec.msgpack.decode(clock), float)
+        assert metric_values(pair["pP"])[refusals] - before == 3
     finally:
         ctx.term()
     test_vllm_decode_pulls_kv_from_pdserve_prefill(pair, random_prompt(40, 54))

@@ -188,6 +188,8 @@ class ConnectorBundle:
             "counter pdserve:decode_first_fallbacks": self.decode_first.fallbacks,
             "counter pdserve:kv_foreign_params": self.foreign_params,
             "gauge pdserve:kv_vllm_mirror_blocks_held": self._mirror_blocks_held(),
+            "counter pdserve:kv_vllm_side_channel_refusals": self.agent.vllm_producer.refused
+            if self.agent.vllm_producer is not None else 0,
         }
 
     def _mirror_blocks_held(self) -> int:

@@ -118,8 +118,8 @@ class PdConnectorScheduler(KVConnectorScheduler):
         parsed = request.kv_transfer_params  # parsed and validated where the server read the request
         if parsed is None:
             return
-        if isinstance(parsed, RemoteDecode) and not parsed.push and parsed.transfer_id is None and self.mirror is not None:
-            parsed = replace(parsed, vllm=True)  # vLLM's own proxies: a vLLM decoder will read it
+        if isinstance(parsed, RemoteDecode) and parsed.transfer_id is None and self.mirror is not None:
+            parsed = replace(parsed, vllm=True)  # vLLM's own proxies (push needs a transfer_id): vLLM D reads it
         if isinstance(parsed, RemotePrefill):
             leader = self._leaders.get(_transfer_key(parsed))
             if leader is not None and not leader.is_finished:
