@@ -15,6 +15,10 @@ import httpx
 import pytest
 
 from conftest import random_prompt
+from pdserve.kv_transfer.pull_producer import PullProducer
+from pdserve.kv_transfer.runtime import AgentConfig, AgentRuntime
+from pdserve.kv_transfer.vllm_nixl.producer import MirrorConfig, VllmNixlProducer
+from pdserve.kv_transfer.vllm_nixl.wire import ModelShape
 from pdserve.launcher import LaunchError, start, start_instance
 from server_utils import (completion_body, data_planes, disaggregated_equals_colocated, metric_values, processes,
                           wait_for, wait_until_idle)
@@ -124,3 +128,20 @@ def test_staged_pick_of_a_vllm_decoder_after_a_pdserve_shaped_answer_recomputes(
     wait_for(lambda: held(pair["P"]) == 0, timeout=LEASE_S / 2, what="the gateway's release to free P's KV")
     after = metric_values(pair["P"])
     assert after["pdserve:kv_releases_received_total"] - before["pdserve:kv_releases_received_total"] == 1
+
+
+def test_vllm_notifications_end_only_vllm_holds(plane):
+    """vLLM's read-done carries no token: it ends a hold made for a vLLM decoder, never a pdserve transfer's hold
+    (whose capability it does not hold); heartbeats and malformed notifications end nothing."""
+    rt = AgentRuntime(AgentConfig("P", "hash"))
+    leases = PullProducer(rt)
+    producer = VllmNixlProducer("P", ModelShape("m", "torch.float32", 2, 32, 2),
+                                MirrorConfig("127.0.0.1", 0, 32, 4, "0.32.0"), leases)
+    leases.hold("for-vllm", "", [0, 1], vllm=True)
+    leases.hold("for-pdserve", "secret", [5])
+    for text in ("for-pdserve:1", "HB:for-vllm,for-pdserve,gone", "no-count", ":1", "for-vllm:x"):
+        producer._on_notification(text)
+    assert leases.take_released() == set() and leases.num_leases() == 2
+    assert leases.authorize_read("for-vllm", "", [0]) is not None  # never granted on pdserve's planes
+    producer._on_notification("for-vllm:1")
+    assert leases.take_released() == {"for-vllm"} and leases.num_leases() == 1
