@@ -87,7 +87,8 @@ class Instance:
             engine_id=bundle.engine_id if bundle else None,
             side_channel_host=bundle.agent.config.host if bundle else None,
             side_channel_port=bundle.agent.port if bundle else None,
-            kv_sources=["vllm-nixl"] if bundle and bundle.agent.pull_consumer.vllm is not None else [])
+            kv_sources=["vllm-nixl"] if bundle and bundle.agent.pull_consumer.vllm is not None else [],
+            kv_sinks=["vllm-nixl"] if bundle and bundle.agent.vllm_producer is not None else [])
 
     def _ec_produces(self) -> bool:
         return self.config.role == "encode" or self.config.ec_transfer_config.get("ec_role") in ("ec_producer",

@@ -102,6 +102,47 @@ def toy_proxy(client: httpx.Client, prefill_url: str, decode_url: str, path: str
     return client.post(f"{decode_url}{path}", json=decode_body, headers=headers), p_json
 
 
+def completion_body(prompt: list[int], **extra) -> dict:
+    """A greedy completion of the tiny served model with token ids and logprobs, to compare across engines."""
+    return {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "logprobs": 2, "return_token_ids": True, **extra}
+
+
+def assert_same_answer(got: dict, expected: dict) -> None:
+    """Same tokens and text; logprobs within the cross-process bound."""
+    mine, theirs = got["choices"][0], expected["choices"][0]
+    assert mine["token_ids"] == theirs["token_ids"]
+    assert mine["text"] == theirs["text"]
+    for a, b in zip(mine["logprobs"]["token_logprobs"], theirs["logprobs"]["token_logprobs"], strict=True):
+        assert abs(a - b) <= CROSS_PROCESS_LOGPROB_TOL, (mine["logprobs"], theirs["logprobs"])
+
+
+def disaggregated_equals_colocated(oracle_url: str, prefill_url: str, decode_url: str, prompt: list[int]) -> dict:
+    """One prompt through P then D as vLLM's toy proxy drives them, compared with the oracle's colocated answer;
+    returns P's kv_transfer_params."""
+    expected = httpx.post(f"{oracle_url}/v1/completions", json=completion_body(prompt), timeout=120).json()
+    with httpx.Client(timeout=120) as client:
+        response, p_json = toy_proxy(client, prefill_url, decode_url, "/v1/completions", completion_body(prompt))
+    assert response.status_code == 200, response.text
+    assert_same_answer(response.json(), expected)
+    return p_json["kv_transfer_params"]
+
+
+def gateway_pull_equals_colocated(oracle_url: str, prefill_url: str, decode_url: str, prompt: list[int]) -> None:
+    """One prompt through a gateway pairing P and D for `pull`, compared with the oracle's colocated answer."""
+    from pdserve.launcher import start
+
+    expected = httpx.post(f"{oracle_url}/v1/completions", json=completion_body(prompt), timeout=120).json()
+    g = start("gateway", ["gateway", "--port", "0", "--log-level", "warning", "--prefill", prefill_url, "--decode",
+                          decode_url, "--protocol", "pull"])
+    try:
+        response = httpx.post(f"{g.url}/v1/completions", json=completion_body(prompt), timeout=120)
+        assert response.status_code == 200, response.text
+        assert_same_answer(response.json(), expected)
+    finally:
+        g.stop()
+
+
 # Logprobs of the same request from two instance processes: two fresh processes of the same engine and model were
 # seen to differ by up to 5e-4 on a 480-token prompt (about 1 start in 6, each process then repeating itself
 # exactly; not the hash seed, not address randomisation), so a comparison across processes allows 1e-3, the

@@ -23,7 +23,7 @@ from conftest import random_prompt
 from pdserve.launcher import LaunchError, start, start_instance
 from peers import free_port
 from server_utils import metric_values, toy_proxy
-from vllm_live import ready, start_vllm
+from vllm_live import ready, start_vllm, vllm_pulled
 
 pytestmark = pytest.mark.vllm
 
@@ -79,13 +79,6 @@ def vllm_prefill(vp_url: str, prompt: list[int]) -> dict:
         "do_remote_decode": True, "do_remote_prefill": False}), timeout=120)
     assert r.status_code == 200, r.text
     return r.json()["kv_transfer_params"]
-
-
-def vllm_pulled(url: str) -> float:
-    """Prompt tokens a vLLM decode instance received over NIXL (not computed, not cached)."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:prompt_tokens_by_source_total") and 'source="external_kv_transfer"' in line)
 
 
 def assert_vllm_pair_works(vp_url: str, vd_url: str, prompt: list[int]) -> None:

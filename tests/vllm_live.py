@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 from peers import free_port, wait_healthy
 
@@ -173,3 +174,10 @@ def ready(instance: VllmInstance, timeout: float = 300.0) -> VllmInstance:
         instance.stop()
         raise
     return instance
+
+
+def vllm_pulled(url: str) -> float:
+    """Prompt tokens a vLLM decode instance received over NIXL (not computed, not cached)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:prompt_tokens_by_source_total") and 'source="external_kv_transfer"' in line)

@@ -50,16 +50,23 @@ class Capabilities:
     side_channel: SideChannel | None = None
     takes_releases: bool = True  # whether it frees held KV on request (POST /v1/kv/release)
     kv_sources: frozenset[str] = frozenset()  # foreign connectors it loads from as a decode instance
+    kv_sinks: frozenset[str] = frozenset()  # foreign connectors that load from it as a prefill instance
+
+    @property
+    def is_vllm_nixl(self) -> bool:
+        """A vLLM NixlConnector instance of the release pdserve exchanges KV with."""
+        return (self.engine, self.kv_connector) == (VLLM, VLLM_NIXL) and self.version.startswith(VLLM_NIXL_SERIES)
 
     def can_feed(self, decode: Capabilities, protocol: str) -> bool:
         """Whether this prefill instance's KV can reach `decode` for `protocol`: the same engine and connector
-        speaking it on both sides, or, for pull, a vLLM NixlConnector P of the release a pdserve D loads from."""
+        speaking it on both sides, or, for pull, vLLM NixlConnector on one side and, on the other, a pdserve
+        instance that speaks it (a D that loads from vLLM P, or a P that vLLM D reads from)."""
         if self.kv_connector is None or protocol not in self.protocols or protocol not in decode.protocols:
             return False
         if (self.engine, self.kv_connector) == (decode.engine, decode.kv_connector):
             return True
-        return (protocol == "pull" and (self.engine, self.kv_connector) == (VLLM, VLLM_NIXL)
-                and self.version.startswith(VLLM_NIXL_SERIES) and VLLM_NIXL_SOURCE in decode.kv_sources)
+        return protocol == "pull" and ((self.is_vllm_nixl and VLLM_NIXL_SOURCE in decode.kv_sources)
+                                       or (decode.is_vllm_nixl and VLLM_NIXL_SOURCE in self.kv_sinks))
 
     def describe(self) -> str:
         connector = self.kv_connector or "no KV connector"
@@ -73,7 +80,7 @@ def from_info(info: InstanceInfo) -> Capabilities:
         side = SideChannel(info.engine_id, info.side_channel_host, info.side_channel_port)
     return Capabilities(info.engine, info.engine_version, info.kv_connector, tuple(info.data_planes),
                         frozenset(info.protocols), side, takes_releases=info.kv_connector is not None,
-                        kv_sources=frozenset(info.kv_sources))
+                        kv_sources=frozenset(info.kv_sources), kv_sinks=frozenset(info.kv_sinks))
 
 
 async def learn(pool: HttpPool, previous: Capabilities | None) -> Capabilities | None:

@@ -31,8 +31,10 @@ class Forwarder(ABC):
         return f"{self.name} ({self.dispatch}; scheduling: {', '.join(sorted(self.scheduling_modes))})"
 
 
-def prefill_body(body: dict[str, Any], transfer_id: TransferId, push: bool = False) -> dict[str, Any]:
-    """vLLM NIXL's prefill leg: one token, no stream, no min_tokens, and a request to hold the KV (or push it).
+def prefill_body(body: dict[str, Any], transfer_id: TransferId, push: bool = False, vllm: bool = False
+                 ) -> dict[str, Any]:
+    """vLLM NIXL's prefill leg: one token, no stream, no min_tokens, and a request to hold the KV (or push it;
+    `vllm`: in vLLM NixlConnector's shape, for a vLLM decoder).
 
     One sample too: P prefills the prompt once, and D draws the n samples from the same KV.
     """
@@ -43,8 +45,12 @@ def prefill_body(body: dict[str, Any], transfer_id: TransferId, push: bool = Fal
     if "max_completion_tokens" in body:
         out["max_completion_tokens"] = 1
     out["stream"] = False
-    out["kv_transfer_params"] = kv.RemoteDecode(transfer_id, push).to_wire()
+    out["kv_transfer_params"] = kv.RemoteDecode(transfer_id, push, vllm).to_wire()
     return out
+
+
+def _reads_vllm_nixl(decode: Instance | None) -> bool:
+    return decode is not None and decode.caps is not None and decode.caps.is_vllm_nixl
 
 
 def with_kv_params(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
@@ -87,7 +93,8 @@ class Pull(Forwarder):
         prefill = call.pick("prefill", decode)
         call.stage = Stage.PREFILL_SENT
         started = time.monotonic()
-        answer = await call.call_json("prefill", prefill, prefill_body(call.body, call.transfer_id),
+        answer = await call.call_json("prefill", prefill, prefill_body(call.body, call.transfer_id,
+                                                                       vllm=_reads_vllm_nixl(decode)),
                                       gw.deadlines.prefill_s)
         call.timings["prefill"] = time.monotonic() - started
         call.timings["kv_ready"] = time.monotonic() - call.started
@@ -97,6 +104,12 @@ class Pull(Forwarder):
         if not isinstance(params, dict) or not params.get("do_remote_prefill"):
             # Visible, not silent: counted, and D computes the prompt itself.
             gw.metrics.decision("local_prefill", "prefill_returned_no_kv_params")
+            await call.relay("decode", decode, call.body)
+            return
+        if _reads_vllm_nixl(decode) and "transfer_token" in params:
+            # Staged: D was chosen after P answered in pdserve's shape, which a vLLM decoder cannot read.
+            gw.release_kv(prefill, params, call.transfer_id)
+            gw.metrics.decision("local_prefill", "kv_params_not_vllm_shaped")
             await call.relay("decode", decode, call.body)
             return
         call.held = (prefill, params)

@@ -2,8 +2,9 @@
 
 A pair is used only if both can take part in the protocol and their KV connectors can talk (capabilities.py).
 The first of a pair is chosen among instances that have at least one such partner, the second among the first's
-partners, so a mixed pool never crosses a vLLM instance with a pdserve one that cannot load its KV, whatever the policy's
-order. The one mixed pair is a vLLM NixlConnector P with a pdserve D that loads from it (pull).
+partners, so a mixed pool never crosses a vLLM instance with a pdserve one that cannot exchange KV with it, whatever
+the policy's order. The mixed pairs (pull): a vLLM NixlConnector P with a pdserve D that loads from it, and a pdserve P with
+vLLM's side channel with a vLLM NixlConnector D that reads from it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from pdserve.gateway.registry import Instance, Registry
 
 _OTHER = {"prefill": "decode", "decode": "prefill"}
 _HINT = ("decode-first and push need pdserve instances on both sides; vLLM instances take part in pull only, "
-         "paired with vLLM instances or, as prefill, with pdserve decode instances that load from vLLM NIXL")
+         "paired with vLLM instances or with pdserve instances that speak vLLM NIXL: as prefill, with pdserve decode "
+         "instances that load from it (kv_sources); as decode, with pdserve prefill instances it reads (kv_sinks)")
 
 
 class NoPairError(ValueError):

@@ -27,6 +27,7 @@ from pdserve.kv_transfer.pull_producer import PullProducer
 from pdserve.kv_transfer.push import ProducerLink, PushConsumer
 from pdserve.kv_transfer.runtime import AgentConfig, AgentRuntime, AgentStats, LoadResult
 from pdserve.kv_transfer.side_channel import SideChannelServer
+from pdserve.kv_transfer.vllm_nixl.producer import VllmNixlProducer
 
 __all__ = ["AgentConfig", "TransferAgent"]
 
@@ -52,6 +53,7 @@ class TransferAgent:
             PushRegister: self.push_producer.on_register,
             WriteDone: self.push_consumer.on_write_done,
         }
+        self.vllm_producer: VllmNixlProducer | None = None  # vLLM decoders' side channel and mirror, if enabled
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._tasks: list[asyncio.Task] = []
@@ -140,6 +142,9 @@ class TransferAgent:
         self.rt.port = self._server.port
         self._tasks = [loop.create_task(self._server.serve()), loop.create_task(self.pull_producer.reap()),
                        loop.create_task(self.pull_consumer.heartbeat()), loop.create_task(self.push_consumer.watch())]
+        if self.vllm_producer is not None:
+            self.vllm_producer.bind(self._ctx)
+            self._tasks += [loop.create_task(self.vllm_producer.serve()), loop.create_task(self.vllm_producer.poll())]
         self._ready.set()
         try:
             loop.run_forever()
@@ -150,6 +155,8 @@ class TransferAgent:
         for task in self._tasks:
             task.cancel()
         self.peers.close()
+        if self.vllm_producer is not None:
+            self.vllm_producer.close()
         if self._server is not None:
             self._server.close()
         if self._ctx is not None:

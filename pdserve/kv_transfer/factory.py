@@ -32,7 +32,9 @@ from pdserve.kv_transfer.params import (VLLM_NIXL, DecodeFirst, ForeignPrefill, 
 from pdserve.kv_transfer.pd_connector import PdConnectorScheduler, PdConnectorWorker, ProducerIdentity
 from pdserve.kv_transfer.peer_policy import PeerNotAllowed, PeerPolicy
 from pdserve.kv_transfer.vllm_nixl.consumer import VllmNixlConsumer
-from pdserve.kv_transfer.vllm_nixl.wire import ModelShape
+from pdserve.kv_transfer.vllm_nixl.mirror_plan import MirrorPlan
+from pdserve.kv_transfer.vllm_nixl.producer import MirrorConfig, VllmNixlProducer
+from pdserve.kv_transfer.vllm_nixl.wire import DEFAULT_RELEASE, SUPPORTED_SERIES, ModelShape
 from pdserve.models.config import ModelSpec
 from pdserve.models.loader import checkpoint_files
 from pdserve.utils import cdiv
@@ -75,6 +77,9 @@ class ConnectorBundle:
         self.agent.start()
         if isinstance(self.scheduler, PdConnectorScheduler):
             self.scheduler.identity = ProducerIdentity(self.engine_id, self.agent.config.host, self.agent.port)
+            producer = self.agent.vllm_producer
+            if producer is not None:
+                self.scheduler.vllm_identity = ProducerIdentity(self.engine_id, producer.config.host, producer.port)
 
     async def stop(self) -> None:
         self.decode_first.close()
@@ -182,7 +187,14 @@ class ConnectorBundle:
             "counter pdserve:decode_first_prefills": self.decode_first.prefills,
             "counter pdserve:decode_first_fallbacks": self.decode_first.fallbacks,
             "counter pdserve:kv_foreign_params": self.foreign_params,
+            "gauge pdserve:kv_vllm_mirror_blocks_held": self._mirror_blocks_held(),
+            "counter pdserve:kv_vllm_side_channel_refusals": self.agent.vllm_producer.refused
+            if self.agent.vllm_producer is not None else 0,
         }
+
+    def _mirror_blocks_held(self) -> int:
+        mirror = self.scheduler.mirror if isinstance(self.scheduler, PdConnectorScheduler) else None
+        return mirror.num_held() if mirror is not None else 0
 
     def ready_fields(self) -> dict[str, Any]:
         fields: dict[str, Any] = {"engine_id": self.engine_id, "side_channel_port": self.agent.port}
@@ -221,7 +233,8 @@ Builder = Callable[[EngineConfig, ModelSpec], ConnectorBundle]
 EXTRA_CONFIG_KEYS = frozenset({
     "data_plane", "side_channel_host", "side_channel_port", "kv_lease_duration", "kv_load_timeout", "message_timeout",
     "handshake_timeout", "push_registration_timeout", "capture_messages", "fault_injection", "fault_injection_api",
-    "allowed_peers", "vllm_nixl", "vllm_model"})
+    "allowed_peers", "vllm_nixl", "vllm_model", "vllm_nixl_port", "vllm_block_size", "vllm_mirror_blocks",
+    "vllm_version"})
 
 
 def build_pd_connector(config: EngineConfig, model: ModelSpec) -> ConnectorBundle:
@@ -250,8 +263,10 @@ def build_pd_connector(config: EngineConfig, model: ModelSpec) -> ConnectorBundl
         peers=PeerPolicy.from_config(extra.get("allowed_peers"))))
     max_blocks = cdiv(model.max_model_len, config.block_size)
     policy = str(kv_cfg.get("kv_load_failure_policy", "recompute"))
+    mirror = vllm_mirror(extra, host, engine_id, model, agent)
+    plan = MirrorPlan(mirror.num_blocks, mirror.block_size, config.block_size) if mirror is not None else None
     scheduler = PdConnectorScheduler(config.block_size, load_timeout_s=agent.config.load_timeout_s,
-                                     load_failure_policy=policy)
+                                     load_failure_policy=policy, mirror=plan)
     worker = PdConnectorWorker(agent, config.block_size, push_timeout_s=agent.config.push_timeout_s,
                                unregistered_timeout_s=agent.config.lease_s, load_failure_policy=policy)
     loads_vllm = bool(extra.get("vllm_nixl"))
@@ -262,6 +277,27 @@ def build_pd_connector(config: EngineConfig, model: ModelSpec) -> ConnectorBundl
                            engine_id=engine_id, max_blocks=max_blocks, pool_owner=plane_names[0],
                            fault_api=bool(extra.get("fault_injection_api", os.environ.get("PDSERVE_FAULTS_API"))),
                            load_failure_policy=policy, loads_vllm=loads_vllm)
+
+
+def vllm_mirror(extra: dict[str, Any], host: str, engine_id: str, model: ModelSpec, agent: TransferAgent
+                ) -> MirrorConfig | None:
+    """With `vllm_nixl_port` set, vLLM NixlConnector decoders may read this producer's KV: vLLM's side channel
+    there, and a mirror pool of `vllm_mirror_blocks` blocks of `vllm_block_size` tokens (vLLM-CPU's default 128;
+    the decoders' own block size) in vLLM-CPU's layout."""
+    if "vllm_nixl_port" not in extra:
+        return None
+    block_size = int(extra.get("vllm_block_size", 128))
+    if block_size <= 0 or block_size % 32:
+        raise ValueError("vllm_block_size must be a positive multiple of 32, as vLLM-CPU's block sizes are")
+    num_blocks = int(extra.get("vllm_mirror_blocks", 8 * cdiv(model.max_model_len, block_size)))
+    release = str(extra.get("vllm_version", DEFAULT_RELEASE))
+    if not release.startswith(SUPPORTED_SERIES + "."):
+        raise ValueError(f"vllm_version must be a vLLM {SUPPORTED_SERIES}.x release (its handshake is the one spoken)")
+    config = MirrorConfig(host=host, port=int(extra["vllm_nixl_port"]), block_size=block_size,
+                          num_blocks=num_blocks, release=release)
+    agent.vllm_producer = VllmNixlProducer(engine_id, vllm_model_shape(model, extra.get("vllm_model")), config,
+                                           agent.pull_producer)
+    return config
 
 
 def vllm_model_shape(model: ModelSpec, served_as: str | None) -> ModelShape:

@@ -5,8 +5,9 @@ the params a decode leg needs: ``do_remote_prefill``, ``remote_block_ids`` (a li
 ``remote_engine_id``, ``remote_request_id`` (P's own internal id), ``remote_host``, ``remote_port`` (P's side
 channel) and ``tp_size``. pdserve adds ``transfer_id`` (the gateway's, shared by every leg), ``transfer_token``
 (the read capability), ``transfer_mode`` (pull or push), ``remote_num_tokens``, ``remote_prefill_cached_tokens``,
-``remote_prompt_hash`` (which prompt the KV belongs to) and, for decode-first, ``remote_prefill_url``. Routers pass
-unknown keys through.
+``remote_prompt_hash`` (which prompt the KV belongs to) and, for decode-first, ``remote_prefill_url``; a prefill leg
+may ask with ``hand_off: "vllm-nixl"`` for vLLM's own shape (a vLLM decode instance pulls). Routers pass unknown
+keys through.
 
 A body's dict is parsed here once, where the server reads the request, and only these types travel below that.
 Each type writes its own wire dict (`to_wire`), so every producer of the wire form (the instance's answers, the
@@ -47,12 +48,17 @@ class RemoteDecode:
 
     transfer_id: TransferId | None
     push: bool = False
+    # Hand the KV off in vLLM NixlConnector's shape (a vLLM decode instance pulls it): asked for by a gateway
+    # pairing this P with a vLLM D, or implied by a prefill request without a transfer_id (vLLM's own proxies).
+    vllm: bool = False
 
     def to_wire(self) -> dict[str, Any]:
         """The prefill leg's params (the gateway's, or a decode-first D's)."""
         wire: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": self.transfer_id}
         if self.push:
             wire["transfer_mode"] = "push"
+        if self.vllm:
+            wire["hand_off"] = VLLM_NIXL
         return wire
 
 
@@ -73,7 +79,14 @@ class RemotePrefill:
     prompt_hash: str | None = None  # `prompt_hash` of the prompt whose KV P holds (pull); None: not told
 
     def to_wire(self) -> dict[str, Any]:
-        """Pull: what P answers after holding the KV. Push: what the gateway sends D (P's side channel)."""
+        """Pull: what P answers after holding the KV. Push: what the gateway sends D (P's side channel). vLLM's
+        shape: exactly the fields vLLM 0.32's NixlConnector hands out, nothing of pdserve's."""
+        if self.mode == VLLM_NIXL:
+            return {"do_remote_prefill": True, "do_remote_decode": False,
+                    "remote_block_ids": [list(self.block_ids or ())], "remote_engine_id": self.engine_id,
+                    "remote_request_id": self.remote_key, "remote_host": self.host, "remote_port": self.port,
+                    "tp_size": 1, "dcp_size": 1, "pp_size": 1, "remote_num_tokens": self.num_tokens,
+                    "remote_blocks_expiry_time": None, "transfer_mode": "pull"}
         if self.mode == "push":
             return {"do_remote_prefill": True, "do_remote_decode": False, "transfer_mode": "push",
                     "transfer_id": self.transfer_id, "remote_engine_id": self.engine_id,
@@ -201,7 +214,12 @@ def parse_kv_params(params: Any, max_blocks: int) -> KVTransferParams | None:
         push = params.get("transfer_mode") == "push"
         if push and transfer_id is None:
             raise KVParamsError("push mode needs the gateway's transfer_id in kv_transfer_params")
-        return RemoteDecode(transfer_id, push)
+        hand_off = params.get("hand_off")
+        if hand_off not in (None, VLLM_NIXL):
+            raise KVParamsError(f"kv_transfer_params.hand_off must be {VLLM_NIXL!r} when given")
+        if push and hand_off is not None:
+            raise KVParamsError("a vLLM NixlConnector decode instance pulls: hand_off excludes push mode")
+        return RemoteDecode(transfer_id, push, vllm=hand_off is not None)
     if not remote_prefill:
         return None
     if "remote_prefill_url" in params:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pdserve.engine.outputs import KVConnectorOutput, SchedulerOutput, TransferRecord
@@ -22,6 +22,8 @@ from pdserve.kv_transfer.params import VLLM_NIXL, KVHandOff, PushHeld, RemoteDec
 from pdserve.kv_transfer.pull_consumer import LoadJob
 from pdserve.kv_transfer.push import PushChunk, PushEnded, PushProducer, PushRegistration
 from pdserve.kv_transfer.translator import TransferMap
+from pdserve.kv_transfer.vllm_nixl.mirror_plan import MirrorPlan
+from pdserve.kv_transfer.vllm_nixl.producer import MirrorFill
 from pdserve.utils import cdiv
 
 log = logging.getLogger(__name__)
@@ -47,6 +49,7 @@ class HoldSpec:
     token: str
     block_ids: tuple[int, ...]
     transfer_id: TransferId | None = None
+    vllm: bool = False  # mirror blocks, for a vLLM decoder
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +81,7 @@ class PdConnectorMetadata(KVConnectorMetadata):
     push_ended: list[PushEnded] = field(default_factory=list)  # P: push requests that finished
     pushes: list[PushRegistration] = field(default_factory=list)  # D: blocks to register with a P
     cancel_pushes: list[TransferId] = field(default_factory=list)  # D: transfer ids whose request ended early
+    mirror_fills: list[MirrorFill] = field(default_factory=list)  # P: prefills a vLLM decoder will read
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,11 +94,14 @@ class ProducerIdentity:
 
 
 class PdConnectorScheduler(KVConnectorScheduler):
-    def __init__(self, block_size: int, load_timeout_s: float = 60.0, load_failure_policy: str = "recompute") -> None:
+    def __init__(self, block_size: int, load_timeout_s: float = 60.0, load_failure_policy: str = "recompute",
+                 mirror: MirrorPlan | None = None) -> None:
         self.block_size = block_size
         self.load_timeout_s = load_timeout_s
         self.load_failure_policy = load_failure_policy
         self.identity: ProducerIdentity | None = None
+        self.mirror = mirror  # a vLLM decoder's view of this producer's KV, when vLLM's side channel is on
+        self.vllm_identity: ProducerIdentity | None = None  # that side channel
         self._parsed: dict[ReqId, RemoteDecode | RemotePrefill] = {}
         self._hashes: dict[ReqId, str] = {}  # the prompt each transferring request's KV belongs to
         # n > 1 on a decode instance: the first sample (the leader) loads the prompt's KV once; the others wait
@@ -111,6 +118,8 @@ class PdConnectorScheduler(KVConnectorScheduler):
         parsed = request.kv_transfer_params  # parsed and validated where the server read the request
         if parsed is None:
             return
+        if isinstance(parsed, RemoteDecode) and parsed.transfer_id is None and self.mirror is not None:
+            parsed = replace(parsed, vllm=True)  # vLLM's own proxies (push needs a transfer_id): vLLM D reads it
         if isinstance(parsed, RemotePrefill):
             leader = self._leaders.get(_transfer_key(parsed))
             if leader is not None and not leader.is_finished:
@@ -201,7 +210,11 @@ class PdConnectorScheduler(KVConnectorScheduler):
         self._loading.update(push.request_id for push in meta.pushes)
         for item in scheduler_output.scheduled:
             parsed = self._parsed.get(item.request_id)
-            if isinstance(parsed, RemoteDecode) and parsed.push:
+            if isinstance(parsed, RemoteDecode) and parsed.vllm and self.mirror is not None:
+                fill = self.mirror.plan_fill(item)
+                if fill is not None:
+                    meta.mirror_fills.append(fill)
+            elif isinstance(parsed, RemoteDecode) and parsed.push:
                 meta.push_chunks.append(PushChunk(
                     item.request_id, parsed.transfer_id, tuple(item.block_ids), item.start_position,
                     item.start_position + len(item.token_ids), last=item.sample,
@@ -210,11 +223,14 @@ class PdConnectorScheduler(KVConnectorScheduler):
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         self._loading.difference_update(output.finished_recving)
+        if self.mirror is not None:
+            for rid in output.finished_sending:  # read by vLLM (or its lease ran out)
+                self.mirror.free(rid)
 
     def has_pending_work(self) -> bool:
         p = self._pending
         return bool(self._loading or p.holds or p.loads or p.releases or p.watch or p.unwatch or p.push_ended
-                    or p.pushes or p.cancel_pushes)
+                    or p.pushes or p.cancel_pushes or (self.mirror is not None and self.mirror.num_held()))
 
     # -- endings --------------------------------------------------------------------------------------------
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, KVHandOff | None]:
@@ -226,6 +242,8 @@ class PdConnectorScheduler(KVConnectorScheduler):
         was_planned = rid in self._allocated
         self._allocated.discard(rid)
         if isinstance(parsed, RemoteDecode):
+            if parsed.vllm:
+                return self._hand_off_vllm(request, parsed)
             if parsed.push:
                 return self._push_ended(request, block_ids, parsed, hashed)
             return self._hand_off(request, block_ids, parsed, hashed)
@@ -260,6 +278,22 @@ class PdConnectorScheduler(KVConnectorScheduler):
             engine_id=self.identity.engine_id, host=self.identity.host, port=self.identity.port,
             remote_key=request.request_id, block_ids=held, token=token, transfer_id=parsed.transfer_id, mode="pull",
             num_tokens=request.num_prompt_tokens, cached_tokens=max(request.num_cached_tokens, 0), prompt_hash=hashed)
+
+    def _hand_off_vllm(self, request: Request, parsed: RemoteDecode) -> tuple[bool, RemotePrefill | None]:
+        """The prompt's KV is in mirror blocks (copied at the step that finished the prefill): hold those for the
+        vLLM decoder and free the pool's blocks now. With no mirror room (or no vLLM side channel), hand off
+        nothing: the decoder computes the prompt itself."""
+        rid = request.request_id
+        mirror, identity = self.mirror, self.vllm_identity
+        held = mirror.blocks_of(rid) if mirror is not None else ()
+        if request.status not in _HANDOFF_STATUSES or not held or identity is None:
+            if mirror is not None:
+                mirror.free(rid)
+            return False, None
+        self._pending.holds.append(HoldSpec(rid, "", held, parsed.transfer_id, vllm=True))
+        return False, RemotePrefill(engine_id=identity.engine_id, host=identity.host, port=identity.port,
+                                    remote_key=rid, block_ids=held, token=None, transfer_id=None, mode=VLLM_NIXL,
+                                    num_tokens=request.num_prompt_tokens)
 
     def _push_ended(self, request: Request, block_ids: list[int], parsed: RemoteDecode, hashed: str
                     ) -> tuple[bool, PushHeld | None]:
@@ -309,6 +343,7 @@ class PdConnectorWorker(KVConnectorWorker):
         self.unregistered_timeout_s = unregistered_timeout_s
         self.translator = TransferMap()
         self.push: PushProducer | None = None
+        self.kv: Any = None
         self._meta: PdConnectorMetadata | None = None
         self._failed: set[ReqId] = set()
         self._invalid: set[int] = set()
@@ -316,6 +351,9 @@ class PdConnectorWorker(KVConnectorWorker):
         self._records: dict[ReqId, TransferRecord] = {}
 
     def register_kv_caches(self, kv_cache: Any) -> None:
+        self.kv = kv_cache
+        if self.agent.vllm_producer is not None:
+            self.agent.vllm_producer.allocate(kv_cache)
         num_layers = kv_cache.shape[1]
         self.push = PushProducer(self.agent.push_producer, self.translator, self.block_size, num_layers,
                                  self.unregistered_timeout_s)
@@ -341,7 +379,7 @@ class PdConnectorWorker(KVConnectorWorker):
         for w in meta.unwatch:
             pull.unwatch(w.host, w.port, w.key)
         for hold in meta.holds:
-            leases.hold(hold.key, hold.token, list(hold.block_ids), hold.transfer_id)
+            leases.hold(hold.key, hold.token, list(hold.block_ids), hold.transfer_id, hold.vllm)
         for job in meta.loads:
             pull.submit(job)
         for registration in meta.pushes:
@@ -367,6 +405,9 @@ class PdConnectorWorker(KVConnectorWorker):
     def wait_for_save(self) -> None:
         if self.push is not None:
             self.push.end_step()
+        producer = self.agent.vllm_producer
+        if self._meta is not None and self._meta.mirror_fills and producer is not None and self.kv is not None:
+            producer.fill(self.kv, self._meta.mirror_fills)
 
     def get_finished(self, finished_req_ids: set[ReqId]) -> tuple[set[ReqId], set[ReqId]]:
         sending = {ReqId(key) for key in self.agent.pull_producer.take_released()}

@@ -41,6 +41,7 @@ class Lease:
     block_ids: frozenset[int]
     expires_at: float
     transfer_id: TransferId | None = None
+    vllm: bool = False  # mirror blocks a vLLM decoder reads with NIXL: never granted on pdserve's planes
 
 
 class PullProducer:
@@ -56,7 +57,8 @@ class PullProducer:
         self._ended: OrderedDict[str, None] = OrderedDict()  # recently ended holds: "expired", not "never granted"
 
     # -- engine thread -------------------------------------------------------------------------------------
-    def hold(self, key: str, token: str, block_ids: list[int], transfer_id: TransferId | None = None) -> None:
+    def hold(self, key: str, token: str, block_ids: list[int], transfer_id: TransferId | None = None,
+             vllm: bool = False) -> None:
         """Keep these blocks for a consumer until read-done, release or lease expiry."""
         with self._lock:
             early = self._early_notices.pop(key, None)
@@ -66,7 +68,7 @@ class PullProducer:
                 self._released.add(key)
                 return
             self._leases[key] = Lease(key, token, frozenset(block_ids), time.monotonic() + self.rt.config.lease_s,
-                                      transfer_id)
+                                      transfer_id, vllm)
             if transfer_id is not None:
                 self._transfers[transfer_id] = key
 
@@ -104,7 +106,7 @@ class PullProducer:
             lease = self._leases.get(key)
             if lease is None:
                 return f"no KV is held for transfer {key!r} (unknown, released or expired)"
-            if token != lease.token:
+            if lease.vllm or token != lease.token:
                 return f"wrong transfer token for {key!r}"
             if not set(block_ids) <= lease.block_ids:
                 return f"blocks outside transfer {key!r} were requested"
@@ -139,16 +141,29 @@ class PullProducer:
         return self.end(message.key, message.token)
 
     async def on_heartbeat(self, message: Heartbeat) -> Ack:
+        return Ack(ok=True, unknown_keys=self.renew(message.keys))
+
+    def renew(self, keys: list[str]) -> list[str]:
+        """A consumer still wants these: extend their leases. Returns the keys that are not held."""
         now = time.monotonic()
         unknown = []
         with self._lock:
-            for key in message.keys:
+            for key in keys:
                 lease = self._leases.get(key)
                 if lease is None:
                     unknown.append(key)
                 else:
                     lease.expires_at = max(lease.expires_at, now + self.rt.config.lease_s * 2 / 3)
-        return Ack(ok=True, unknown_keys=unknown)
+        return unknown
+
+    def end_notified(self, key: str) -> None:
+        """vLLM's read-done notification (it carries no token; only a vLLM hold ends by it)."""
+        with self._lock:
+            lease = self._leases.get(key)
+            if lease is not None and not lease.vllm:
+                return
+        self.rt.stats.read_done_received += 1
+        self.end(key, lease.token if lease is not None else "")
 
     def end(self, key: str, token: str) -> Ack:
         """End a lease (read-done or release); unknown keys are remembered in case the hold is yet to come."""

@@ -32,6 +32,9 @@ class InstanceInfo(msgspec.Struct, frozen=True, kw_only=True):
     # Foreign KV connectors this instance can load from as a decode instance (e.g. "vllm-nixl": vLLM 0.32's
     # NixlConnector prefill instances), so a gateway may pair it with them for `pull`.
     kv_sources: list[str] = []
+    # Foreign decode connectors that can load this (prefill) instance's KV (e.g. "vllm-nixl": it answers vLLM
+    # 0.32's NixlConnector decoders on a side channel of their own), so a gateway may pair it with them for `pull`.
+    kv_sinks: list[str] = []
 
 
 def protocols_for(role: str, kv_connector: str | None) -> list[str]:

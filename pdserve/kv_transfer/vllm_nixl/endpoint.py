@@ -25,7 +25,7 @@ class NixlUnavailable(RuntimeError):
 
 
 class NixlEndpoint:
-    """Used from one thread at a time (the consumer serialises its reads)."""
+    """Used from one thread at a time (the consumer serialises its reads; the producer polls on one loop)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -56,6 +56,18 @@ class NixlEndpoint:
             self._staging = torch.empty(nbytes, dtype=torch.uint8)
             self._registered = agent.register_memory([(self._staging.data_ptr(), nbytes, 0, "")], "DRAM")
         return self._staging
+
+    def register(self, memory: torch.Tensor) -> None:
+        """Expose `memory` (contiguous host memory, kept alive by the caller) to peers' reads, once."""
+        self.agent().register_memory([(memory.data_ptr(), memory.numel() * memory.element_size(), 0, "")], "DRAM")
+
+    def metadata(self) -> bytes:
+        """The agent's own blob, which a peer adds with add_remote_agent."""
+        return self.agent().get_agent_metadata()
+
+    def notifications(self) -> list[bytes]:
+        """Notifications that arrived since the last call (polling also progresses the agent's connections)."""
+        return [n for batch in self.agent().get_new_notifs().values() for n in batch]
 
     def add_peer(self, agent_metadata: bytes) -> str:
         name = self.agent().add_remote_agent(agent_metadata)

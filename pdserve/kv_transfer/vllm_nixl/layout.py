@@ -65,3 +65,32 @@ def scatter_into_pool(staged: tuple[torch.Tensor, torch.Tensor], pool: torch.Ten
         pool[torch.tensor(local_block_ids[:full])] = grouped.permute(0, 2, 3, 4, 1, 5)
     if tail:
         pool[local_block_ids[full], :, :, :, :tail] = tokens[full * block_size:].permute(1, 2, 3, 0, 4)
+
+
+def mirror_view(mirror: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values of a mirror pool laid out as vLLM-CPU's caches (``[layers, blocks, heads, 2 * block_size
+    * head_dim]``), each as ``[layers, blocks, heads, block_size, head_dim]`` (the keys a transposed view)."""
+    per_head = mirror.shape[-1] // 2
+    head_dim = per_head // block_size
+    keys = mirror[..., :per_head].unflatten(-1, (head_dim, block_size)).transpose(-1, -2)
+    values = mirror[..., per_head:].unflatten(-1, (block_size, head_dim))
+    return keys, values
+
+
+def gather_into_mirror(pool: torch.Tensor, local_block_ids: list[int], count: int, mirror: torch.Tensor,
+                       mirror_block_ids: list[int]) -> None:
+    """The reverse of `scatter_into_pool`: `count` tokens of pdserve blocks regrouped into vLLM blocks of the mirror
+    (rows past the last token in the last vLLM block are left as they were: vLLM reads only the prompt's rows)."""
+    _, layers, _, heads, block_size, head_dim = pool.shape
+    vllm_block = mirror.shape[-1] // (2 * head_dim)
+    tokens = pool[torch.tensor(local_block_ids)].permute(0, 4, 1, 2, 3, 5)  # [blocks, B, layers, 2, H, D]
+    tokens = tokens.reshape(-1, layers, 2, heads, head_dim)[:count]
+    keys, values = mirror_view(mirror, vllm_block)
+    full, tail = divmod(count, vllm_block)
+    if full + (tail > 0) != len(mirror_block_ids):
+        raise ValueError(f"{count} tokens do not fill {len(mirror_block_ids)} vLLM blocks of {vllm_block}")
+    for i, block in enumerate(mirror_block_ids):
+        rows = tokens[i * vllm_block:(i + 1) * vllm_block]  # [rows, layers, 2, H, D]
+        n = rows.shape[0]
+        keys[:, block, :, :n] = rows[:, :, 0].permute(1, 2, 0, 3)
+        values[:, block, :, :n] = rows[:, :, 1].permute(1, 2, 0, 3)

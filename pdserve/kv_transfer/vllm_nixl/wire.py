@@ -21,6 +21,7 @@ import msgspec
 GET_META_MSG = b"get_meta_msg"
 CONNECTOR_VERSION = 14  # the connector version vLLM 0.32 reports; its metadata schema is the one below
 SUPPORTED_SERIES = "0.32"
+DEFAULT_RELEASE = "0.32.0"  # the release a pdserve producer answers as, unless told another 0.32.x
 # Releases recognised by name in a refusal (a hash is one-way: an unknown release only reads as "incompatible").
 _KNOWN_SERIES = tuple(f"0.{minor}" for minor in range(28, 40))
 _PATCHES = range(10)
@@ -93,6 +94,16 @@ def identify_release(shape: ModelShape, attn_backend: str, remote_hash: str) -> 
         f"the prefill instance's NIXL compatibility hash matches no vLLM {SUPPORTED_SERIES}.x serving {shape.model} "
         f"({shape.dtype}, {shape.num_layers} layers, {shape.num_kv_heads} KV heads of {shape.head_size}, "
         f"{attn_backend}): another vLLM version, model or configuration")
+
+
+def handshake_frames(shape: ModelShape, release: str, meta: AgentMetadata, clock: float) -> list[bytes]:
+    """A producer's answer to vLLM's handshake request: the payload (hashed as vLLM `release` with its default
+    hybrid KV manager computes it for this model) and the producer's clock."""
+    if not release.startswith(SUPPORTED_SERIES + "."):
+        raise VersionRefused(f"pdserve answers vLLM's handshake only as vLLM {SUPPORTED_SERIES}.x, not {release}")
+    payload = HandshakePayload(compatibility_hash(shape, release, meta.attn_backend_name, True),
+                               msgspec.msgpack.encode(meta))
+    return [msgspec.msgpack.encode(payload), msgspec.msgpack.encode(clock)]
 
 
 def read_done(remote_request_id: str, readers: int = 1) -> bytes:
