@@ -59,6 +59,22 @@ def _install(what: str, *args: str) -> None:
         pytest.skip(f"cannot install {what}: {exc}")
 
 
+def pdserve_path() -> str:
+    """PYTHONPATH for a vLLM instance that runs pdserve's PdConnector: this checkout, plus what pdserve needs and
+    vLLM's venv lacks, installed apart (scripts/install_vllm.sh --pdserve-deps) so vLLM's venv stays as it is."""
+    venv = vllm_venv()
+    deps = DEFAULT_VENV.parent / "vllm-pdserve-deps"
+    if not (deps / ".installed").exists():
+        _install("pdserve's dependencies for vLLM", "--pdserve-deps", str(deps), str(venv))
+    return f"{ROOT}{os.pathsep}{deps}"
+
+
+def pd_connector_config(role: str, side_channel_port: int, **extra) -> dict:
+    """--kv-transfer-config for pdserve's PdConnector inside vLLM ("kv_producer"/"kv_consumer")."""
+    return {"kv_connector": "PdConnector", "kv_connector_module_path": "pdserve.integrations.vllm",
+            "kv_role": role, "kv_connector_extra_config": {"side_channel_port": side_channel_port, **extra}}
+
+
 def nixl_config(role: str) -> str:
     """--kv-transfer-config for vLLM's NixlConnector with the KV cache in host memory ("kv_producer"/"kv_consumer")."""
     return json.dumps({"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"})
@@ -120,8 +136,10 @@ def vllm_env(side_channel_port: int | None, extra: dict[str, str] | None = None)
 
 def start_vllm(model: Path | str, *, role: str | None = None, name: str = "vllm", max_model_len: int = 512,
                extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
-               timeout: float = 300.0, wait: bool = True) -> VllmInstance:
-    """Start `vllm serve MODEL` on 127.0.0.1 (with the NixlConnector in `role` if given) and wait until healthy.
+               timeout: float = 300.0, wait: bool = True, kv_transfer_config: dict | None = None
+               ) -> VllmInstance:
+    """Start `vllm serve MODEL` on 127.0.0.1 (with the NixlConnector in `role` if given, or with
+    `kv_transfer_config`, e.g. `pd_connector_config`) and wait until healthy.
 
     With wait=False it returns at once: start several, then `ready(instance)` each, so their startups overlap.
     """
@@ -136,6 +154,10 @@ def start_vllm(model: Path | str, *, role: str | None = None, name: str = "vllm"
             "--enforce-eager", "--distributed-executor-backend", "uni", *extra_args]
     if role:
         argv += ["--kv-transfer-config", nixl_config(role)]
+    if kv_transfer_config is not None:
+        argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+        if kv_transfer_config.get("kv_connector_module_path", "").startswith("pdserve."):
+            env = {"PYTHONPATH": pdserve_path(), **(env or {})}
     fd, log_name = tempfile.mkstemp(prefix=f"vllm-{name}-", suffix=".log")
     os.close(fd)
     with open(log_name, "wb") as log:
