@@ -23,8 +23,8 @@ from conftest import random_prompt
 from pdserve.kv_transfer.vllm_nixl.wire import AgentMetadata, HandshakePayload, ModelShape, compatibility_hash
 from pdserve.launcher import start, start_instance
 from peers import free_port
-from server_utils import CROSS_PROCESS_LOGPROB_TOL, metric_values, toy_proxy, wait_for, wait_until_idle
-from vllm_live import ready, start_vllm
+from server_utils import metric_values, toy_proxy, wait_for, wait_until_idle
+from vllm_live import assert_same_answer, completion_body, ready, start_vllm, usage
 
 pytestmark = pytest.mark.vllm
 
@@ -50,30 +50,13 @@ def pair(models):
             proc.stop()
 
 
-def body(prompt: list[int], **extra) -> dict:
-    return {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
-            "logprobs": 2, "return_token_ids": True, **extra}
-
-
-def assert_same_answer(got: dict, expected: dict) -> None:
-    mine, theirs = got["choices"][0], expected["choices"][0]
-    assert mine["token_ids"] == theirs["token_ids"]
-    assert mine["text"] == theirs["text"]
-    for a, b in zip(mine["logprobs"]["token_logprobs"], theirs["logprobs"]["token_logprobs"], strict=True):
-        assert abs(a - b) <= CROSS_PROCESS_LOGPROB_TOL, (mine["logprobs"], theirs["logprobs"])
-
-
-def usage(url: str) -> float:
-    return metric_values(url)["vllm:kv_cache_usage_perc"]
-
-
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["one-vllm-block", "three-vllm-blocks"])
 def test_pdserve_decode_loads_kv_from_vllm_prefill(pair, prompt):
     vp, pd = pair["vP"], pair["pD"]
-    expected = httpx.post(f"{vp}/v1/completions", json=body(prompt), timeout=120).json()
+    expected = httpx.post(f"{vp}/v1/completions", json=completion_body(prompt), timeout=120).json()
     before_d, before_p = metric_values(pd), metric_values(vp)
     with httpx.Client(timeout=120) as client:
-        response, p_json = toy_proxy(client, vp, pd, "/v1/completions", body(prompt))
+        response, p_json = toy_proxy(client, vp, pd, "/v1/completions", completion_body(prompt))
     assert response.status_code == 200, response.text
     assert_same_answer(response.json(), expected)
     after = wait_until_idle(pd)  # D holds no blocks
@@ -91,12 +74,12 @@ def test_gateway_pairs_vllm_prefill_with_a_pdserve_decode_that_loads_from_it(pai
     start: no pair); the answer equals colocated vLLM, and the KV was loaded, not recomputed."""
     vp, pd = pair["vP"], pair["pD"]
     prompt = random_prompt(150, 45)
-    expected = httpx.post(f"{vp}/v1/completions", json=body(prompt), timeout=120).json()
+    expected = httpx.post(f"{vp}/v1/completions", json=completion_body(prompt), timeout=120).json()
     before = metric_values(pd)
     g = start("gateway", ["gateway", "--port", "0", "--log-level", "warning", "--prefill", vp, "--decode", pd,
                           "--protocol", "pull"])
     try:
-        response = httpx.post(f"{g.url}/v1/completions", json=body(prompt), timeout=120)
+        response = httpx.post(f"{g.url}/v1/completions", json=completion_body(prompt), timeout=120)
         assert response.status_code == 200, response.text
         assert_same_answer(response.json(), expected)
     finally:
@@ -113,10 +96,12 @@ def test_a_request_refused_before_admission_frees_vllm_prefill(pair):
     vp, pd = pair["vP"], pair["pD"]
     prompt = random_prompt(20, 44)
     before = metric_values(vp)
-    held = httpx.post(f"{vp}/v1/completions", timeout=120, json=body(prompt, max_tokens=1, kv_transfer_params={
-        "do_remote_decode": True, "do_remote_prefill": False})).json()["kv_transfer_params"]
+    prefill = completion_body(prompt, max_tokens=1, kv_transfer_params={
+        "do_remote_decode": True, "do_remote_prefill": False})
+    held = httpx.post(f"{vp}/v1/completions", timeout=120, json=prefill).json()["kv_transfer_params"]
     assert held["remote_block_ids"] and usage(vp) > 0
-    response = httpx.post(f"{pd}/v1/completions", json=body([prompt, prompt], kv_transfer_params=held), timeout=120)
+    response = httpx.post(f"{pd}/v1/completions", timeout=120,
+                          json=completion_body([prompt, prompt], kv_transfer_params=held))
     assert response.status_code == 400, response.text
     wait_for(lambda: usage(vp) == 0.0, timeout=20, what="vLLM P's KV cache to be idle")
     expired = "vllm:nixl_num_kv_expired_reqs_total"
@@ -155,14 +140,14 @@ def test_another_vllm_release_is_refused_and_recomputed(pair):
     """P's handshake hash is vLLM 0.33's: D refuses it, says which release it met, and prefills locally."""
     vp, pd = pair["vP"], pair["pD"]
     prompt = random_prompt(40, 43)
-    expected = httpx.post(f"{vp}/v1/completions", json=body(prompt), timeout=120).json()
+    expected = httpx.post(f"{vp}/v1/completions", json=completion_body(prompt), timeout=120).json()
     shape = ModelShape(str(pair["model"]), "torch.float32", 2, 32, 2)
     port, answered = fake_vllm_producer(shape, "0.33.0", "fake-vllm")
     params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1]],
               "remote_engine_id": "fake-vllm", "remote_request_id": "cmpl-fake-0", "remote_host": "127.0.0.1",
               "remote_port": port, "tp_size": 1}
     before = metric_values(pd)
-    response = httpx.post(f"{pd}/v1/completions", json=body(prompt, kv_transfer_params=params), timeout=120)
+    response = httpx.post(f"{pd}/v1/completions", json=completion_body(prompt, kv_transfer_params=params), timeout=120)
     assert response.status_code == 200, response.text
     assert answered.is_set()
     assert_same_answer(response.json(), expected)

@@ -19,8 +19,8 @@ import pytest
 from conftest import random_prompt
 from pdserve.launcher import start
 from peers import free_port
-from server_utils import CROSS_PROCESS_LOGPROB_TOL, metric_values, wait_for
-from vllm_live import pd_connector_config, ready, start_vllm
+from server_utils import wait_for
+from vllm_live import assert_same_answer, completion_body, pd_connector_config, ready, start_vllm, usage
 
 pytestmark = pytest.mark.vllm
 
@@ -40,28 +40,11 @@ def pair(models, tmp_path_factory):
         ready(d)
         gateway = start("gateway", ["gateway", "--port", "0", "--log-level", "warning", "--prefill", p.url,
                                     "--decode", d.url, "--protocol", "pull"])
-        yield {"P": p.url, "D": d.url, "gateway": gateway.url, "capture": capture}
+        yield {"P": p.url, "D": d.url, "gateway": gateway.url, "capture": capture, "P_process": p}
         gateway.stop()
     finally:
         p.stop()
         d.stop()
-
-
-def body(prompt: list[int], **extra) -> dict:
-    return {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
-            "logprobs": 2, "return_token_ids": True, **extra}
-
-
-def assert_same_answer(got: dict, expected: dict) -> None:
-    mine, theirs = got["choices"][0], expected["choices"][0]
-    assert mine["token_ids"] == theirs["token_ids"]
-    assert mine["text"] == theirs["text"]
-    for a, b in zip(mine["logprobs"]["token_logprobs"], theirs["logprobs"]["token_logprobs"], strict=True):
-        assert abs(a - b) <= CROSS_PROCESS_LOGPROB_TOL, (mine["logprobs"], theirs["logprobs"])
-
-
-def usage(url: str) -> float:
-    return metric_values(url)["vllm:kv_cache_usage_perc"]
 
 
 def external_tokens(url: str) -> float:
@@ -69,6 +52,16 @@ def external_tokens(url: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=10).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("vllm:prompt_tokens_by_source_total{") and 'source="external' in line)
+
+
+def complete(url: str, prompt: list[int], **extra) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json=completion_body(prompt, **extra), timeout=120)
+
+
+def prefill_held(url: str, prompt: list[int], transfer_id: str) -> dict:
+    """P prefills the prompt and holds its KV, as the gateway's prefill leg asks: the params D needs."""
+    return complete(url, prompt, max_tokens=1, kv_transfer_params={
+        "do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}).json()["kv_transfer_params"]
 
 
 def test_gateway_learns_pd_connector_from_vllm_metrics(pair):
@@ -80,9 +73,9 @@ def test_gateway_learns_pd_connector_from_vllm_metrics(pair):
 
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["one-vllm-block", "three-vllm-blocks"])
 def test_pull_between_two_vllm_instances_equals_colocated(pair, prompt):
-    expected = httpx.post(f"{pair['P']}/v1/completions", json=body(prompt), timeout=120).json()
+    expected = complete(pair["P"], prompt).json()
     before = external_tokens(pair["D"])
-    response = httpx.post(f"{pair['gateway']}/v1/completions", json=body(prompt), timeout=120)
+    response = complete(pair["gateway"], prompt)
     assert response.status_code == 200, response.text
     assert_same_answer(response.json(), expected)
     assert external_tokens(pair["D"]) - before >= len(prompt) - 1  # loaded, not computed on D
@@ -92,21 +85,36 @@ def test_pull_between_two_vllm_instances_equals_colocated(pair, prompt):
 
 def test_forged_token_is_refused_and_decode_computes_the_prompt(pair):
     prompt = random_prompt(150, 53)
-    expected = httpx.post(f"{pair['P']}/v1/completions", json=body(prompt), timeout=120).json()
-    held = httpx.post(f"{pair['P']}/v1/completions", timeout=120, json=body(prompt, max_tokens=1, kv_transfer_params={
-        "do_remote_decode": True, "do_remote_prefill": False, "transfer_id": "forge-1"})).json()["kv_transfer_params"]
+    expected = complete(pair["P"], prompt).json()
+    held = prefill_held(pair["P"], prompt, "forge-1")
     assert held["transfer_token"] and held["remote_block_ids"]
     forged = {**held, "transfer_token": "0" * 32}
     before = external_tokens(pair["D"])
-    response = httpx.post(f"{pair['D']}/v1/completions", json=body(prompt, kv_transfer_params=forged), timeout=120)
+    response = complete(pair["D"], prompt, kv_transfer_params=forged)
     assert response.status_code == 200, response.text
     assert_same_answer(response.json(), expected)  # computed on D: nothing was copied from P
     assert external_tokens(pair["D"]) == before
     assert "wrong transfer token" in pair["capture"].read_text(errors="replace")
     # The forged read did not end the lease: the genuine holder still loads what its prefix cache lacks (the
     # computed prompt left its first full block there), and so frees P's blocks.
-    response = httpx.post(f"{pair['D']}/v1/completions", json=body(prompt, kv_transfer_params=held), timeout=120)
+    response = complete(pair["D"], prompt, kv_transfer_params=held)
     assert_same_answer(response.json(), expected)
     assert external_tokens(pair["D"]) > before
     wait_for(lambda: usage(pair["P"]) == 0.0, timeout=20, what="vLLM P's KV cache to be idle")
+    wait_for(lambda: usage(pair["D"]) == 0.0, timeout=20, what="vLLM D's KV cache to be idle")
+
+
+def test_prefill_killed_before_the_read_means_decode_recomputes(pair):
+    """Last in the module: it kills P. P answered and holds the KV, then dies (SIGKILL): D's read cannot reach
+    it, the load fails within its deadlines, and vLLM's recompute policy computes the prompt on D: the answer is
+    still colocated vLLM's, and D's cache is idle after."""
+    prompt = random_prompt(200, 54)
+    expected = complete(pair["P"], prompt).json()
+    held = prefill_held(pair["P"], prompt, "kill-1")
+    pair["P_process"].crash()
+    before = external_tokens(pair["D"])
+    response = complete(pair["D"], prompt, kv_transfer_params=held)
+    assert response.status_code == 200, response.text
+    assert_same_answer(response.json(), expected)
+    assert external_tokens(pair["D"]) == before  # nothing was loaded
     wait_for(lambda: usage(pair["D"]) == 0.0, timeout=20, what="vLLM D's KV cache to be idle")

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from peers import free_port, wait_healthy
+from server_utils import CROSS_PROCESS_LOGPROB_TOL, metric_values
 
 from pdserve.launcher import Process
 
@@ -85,6 +86,15 @@ class VllmInstance(Process):
     """A `vllm serve` process; its engine core and helpers live in its session and are stopped with it."""
 
     side_channel_port: int | None = None
+
+    def crash(self) -> None:
+        """SIGKILL every process of the instance at once (the engine core too, where KV and connector live)."""
+        for pid in session_members(self.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.popen.wait(10)
 
     def stop(self, timeout: float = 20.0) -> None:
         super().stop(timeout)
@@ -195,3 +205,23 @@ def ready(instance: VllmInstance, timeout: float = 300.0) -> VllmInstance:
         instance.stop()
         raise
     return instance
+
+
+def completion_body(prompt: list[int], **extra) -> dict:
+    """A greedy completion with logprobs and token ids, for comparing P/D answers with colocated vLLM's."""
+    return {"model": SERVED_NAME, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "logprobs": 2, "return_token_ids": True, **extra}
+
+
+def assert_same_answer(got: dict, expected: dict) -> None:
+    """Tokens and text equal; logprobs within the cross-process bound."""
+    mine, theirs = got["choices"][0], expected["choices"][0]
+    assert mine["token_ids"] == theirs["token_ids"]
+    assert mine["text"] == theirs["text"]
+    for a, b in zip(mine["logprobs"]["token_logprobs"], theirs["logprobs"]["token_logprobs"], strict=True):
+        assert abs(a - b) <= CROSS_PROCESS_LOGPROB_TOL, (mine["logprobs"], theirs["logprobs"])
+
+
+def usage(url: str) -> float:
+    """vLLM's KV cache usage (0.0 when it holds no blocks)."""
+    return metric_values(url)["vllm:kv_cache_usage_perc"]
