@@ -17,7 +17,21 @@
 # only. PyPI's torchvision is a CUDA build whose compiled ops fail to load against CPU torch ("operator
 # torchvision::nms does not exist"); DIR/sitecustomize.py defines the two ops its fake-tensor registrations
 # expect, as empty schemas, before torchvision imports. Text-only instances never see it.
+#
+# scripts/install_vllm.sh --pdserve-deps DIR [VENV] installs into DIR what pdserve's PdConnector needs inside vLLM
+# and vLLM's venv lacks (xxhash, which has no dependencies), for PYTHONPATH of vLLM instances that run the
+# connector from a pdserve checkout: vLLM's venv, and its torch, stay untouched.
 set -euo pipefail
+
+if [ "${1:-}" = "--pdserve-deps" ]; then
+    DEPS=$2
+    VENV=${3:-$(cd "$(dirname "$0")/.." && pwd)/.cache/vllm}
+    [ -f "$DEPS/.installed" ] && exit 0
+    rm -rf "$DEPS"
+    "$VENV/bin/python" -m pip --quiet install --no-deps --target "$DEPS" "xxhash>=3"
+    touch "$DEPS/.installed"
+    exit 0
+fi
 
 if [ "${1:-}" = "--torchvision-shim" ]; then
     SHIM=$2

@@ -25,7 +25,7 @@ from pdserve.launcher import start_instance
 from peers import free_port
 from server_utils import (assert_same_answer, completion_body, gateway_pull_equals_colocated, metric_values, toy_proxy,
                           wait_for, wait_until_idle)
-from vllm_live import ready, start_vllm
+from vllm_live import ready, start_vllm, usage
 
 pytestmark = pytest.mark.vllm
 
@@ -49,10 +49,6 @@ def pair(models):
     finally:
         for proc in reversed(started):
             proc.stop()
-
-
-def usage(url: str) -> float:
-    return metric_values(url)["vllm:kv_cache_usage_perc"]
 
 
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["one-vllm-block", "three-vllm-blocks"])

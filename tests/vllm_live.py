@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 from peers import free_port, wait_healthy
+from server_utils import metric_values
 
 from pdserve.launcher import Process
 
@@ -60,6 +61,22 @@ def _install(what: str, *args: str) -> None:
         pytest.skip(f"cannot install {what}: {exc}")
 
 
+def pdserve_path() -> str:
+    """PYTHONPATH for a vLLM instance that runs pdserve's PdConnector: this checkout, plus what pdserve needs and
+    vLLM's venv lacks, installed apart (scripts/install_vllm.sh --pdserve-deps) so vLLM's venv stays as it is."""
+    venv = vllm_venv()
+    deps = DEFAULT_VENV.parent / "vllm-pdserve-deps"
+    if not (deps / ".installed").exists():
+        _install("pdserve's dependencies for vLLM", "--pdserve-deps", str(deps), str(venv))
+    return f"{ROOT}{os.pathsep}{deps}"
+
+
+def pd_connector_config(role: str, side_channel_port: int, **extra) -> dict:
+    """--kv-transfer-config for pdserve's PdConnector inside vLLM ("kv_producer"/"kv_consumer")."""
+    return {"kv_connector": "PdConnector", "kv_connector_module_path": "pdserve.integrations.vllm",
+            "kv_role": role, "kv_connector_extra_config": {"side_channel_port": side_channel_port, **extra}}
+
+
 def nixl_config(role: str) -> str:
     """--kv-transfer-config for vLLM's NixlConnector with the KV cache in host memory ("kv_producer"/"kv_consumer")."""
     return json.dumps({"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"})
@@ -70,6 +87,15 @@ class VllmInstance(Process):
     """A `vllm serve` process; its engine core and helpers live in its session and are stopped with it."""
 
     side_channel_port: int | None = None
+
+    def crash(self) -> None:
+        """SIGKILL every process of the instance at once (the engine core too, where KV and connector live)."""
+        for pid in session_members(self.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.popen.wait(10)
 
     def stop(self, timeout: float = 20.0) -> None:
         super().stop(timeout)
@@ -121,8 +147,10 @@ def vllm_env(side_channel_port: int | None, extra: dict[str, str] | None = None)
 
 def start_vllm(model: Path | str, *, role: str | None = None, name: str = "vllm", max_model_len: int = 512,
                extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
-               timeout: float = 300.0, wait: bool = True) -> VllmInstance:
-    """Start `vllm serve MODEL` on 127.0.0.1 (with the NixlConnector in `role` if given) and wait until healthy.
+               timeout: float = 300.0, wait: bool = True, kv_transfer_config: dict | None = None
+               ) -> VllmInstance:
+    """Start `vllm serve MODEL` on 127.0.0.1 (with the NixlConnector in `role` if given, or with
+    `kv_transfer_config`, e.g. `pd_connector_config`) and wait until healthy.
 
     With wait=False it returns at once: start several, then `ready(instance)` each, so their startups overlap.
     """
@@ -137,6 +165,10 @@ def start_vllm(model: Path | str, *, role: str | None = None, name: str = "vllm"
             "--enforce-eager", "--distributed-executor-backend", "uni", *extra_args]
     if role:
         argv += ["--kv-transfer-config", nixl_config(role)]
+    if kv_transfer_config is not None:
+        argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+        if kv_transfer_config.get("kv_connector_module_path", "").startswith("pdserve."):
+            env = {"PYTHONPATH": pdserve_path(), **(env or {})}
     fd, log_name = tempfile.mkstemp(prefix=f"vllm-{name}-", suffix=".log")
     os.close(fd)
     with open(log_name, "wb") as log:
@@ -181,3 +213,8 @@ def vllm_pulled(url: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=10).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("vllm:prompt_tokens_by_source_total") and 'source="external_kv_transfer"' in line)
+
+
+def usage(url: str) -> float:
+    """vLLM's KV cache usage (0.0 when it holds no blocks)."""
+    return metric_values(url)["vllm:kv_cache_usage_perc"]

@@ -35,3 +35,14 @@ pdserve_info
 # Fields of vLLM's NIXL agent metadata that its decoder requires (pdserve/kv_transfer/vllm_nixl/wire.py).
 kv_cache_layout
 ssm_sizes
+# vLLM's KV connector interface (pdserve/integrations/vllm/connector.py, info.py): vLLM calls these methods, with
+# these argument names, on PdConnector; the ones pull does not need are accepted and ignored.
+build_prom_metrics
+request_finished_all_groups
+has_pending_push_work
+forward_context
+layer_name
+kv_layer
+attn_metadata
+transfer_stats_data
+engine_idx

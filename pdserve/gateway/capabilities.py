@@ -4,8 +4,9 @@ A pool may mix pdserve and vLLM instances. KV moves only between connectors that
 with pdserve's, vLLM NIXL's with vLLM NIXL's), and decode-first and push exist only in pdserve, so the gateway
 learns each instance's kind on registration and on every health probe (a restart may bring another engine to the
 same address). A pdserve instance describes itself at /v1/pdserve/info; any other engine answers 404 there. vLLM
-is then recognised by /version, and its NixlConnector by the `vllm:nixl_` metrics its /metrics carries only when
-that connector is configured.
+is then recognised by /version, and its connector by its /metrics: NixlConnector by the `vllm:nixl_` metrics it
+carries only when that connector is configured, pdserve's PdConnector (running inside vLLM) by the
+`pdserve:kv_connector_info` metric it registers there, whose labels name its protocols and side channel.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import logging
 from dataclasses import dataclass
 
 import msgspec
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.net.http_client import HttpPool, UpstreamError, UpstreamTimeout
 from pdserve.server.info import INFO_PATH, InstanceInfo, decode_info
@@ -29,6 +31,8 @@ PAIRED_PROTOCOLS = ("pull", "push", "decode-first")
 VLLM_NIXL_SOURCE = "vllm-nixl"
 VLLM_NIXL_SERIES = "0.32."
 _NIXL_METRIC = b"vllm:nixl_"
+PD_CONNECTOR = "PdConnector"
+_PD_INFO_METRIC = "pdserve:kv_connector_info"
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,13 +108,33 @@ async def learn(pool: HttpPool, previous: Capabilities | None) -> Capabilities |
             return None
     except (UpstreamError, UpstreamTimeout, OSError):
         return None
-    except (msgspec.DecodeError, msgspec.ValidationError, AttributeError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, AttributeError, ValueError) as exc:
         log.warning("instance %s:%s describes itself in a way this gateway cannot read: %s", pool.host, pool.port,
                     exc)
         return None
+    pd = _pd_connector(body.decode(errors="replace"))
+    if pd is not None:
+        protocols, side = pd
+        return Capabilities(VLLM, version, PD_CONNECTOR, ("tcp",), protocols, side, takes_releases=False)
     connector = VLLM_NIXL if _NIXL_METRIC in body else None
     return Capabilities(VLLM, version, connector, protocols=frozenset(VLLM_PROTOCOLS.get(connector, ())),
                         takes_releases=False)
+
+
+def _pd_connector(metrics: str) -> tuple[frozenset[str], SideChannel] | None:
+    """PdConnector's protocols and side channel, from the info metric a vLLM instance running it serves."""
+    if _PD_INFO_METRIC not in metrics:
+        return None
+    for family in text_string_to_metric_families(metrics):
+        for sample in family.samples:
+            if sample.name == _PD_INFO_METRIC and sample.labels.get("kv_connector") == PD_CONNECTOR:
+                labels = sample.labels
+                port = labels.get("side_channel_port", "")
+                side = SideChannel(labels.get("engine_id", ""), labels.get("side_channel_host", ""),
+                                   int(port) if port.isdigit() else 0)
+                protocols = frozenset(p for p in labels.get("protocols", "").split(",") if p in PAIRED_PROTOCOLS)
+                return protocols, side
+    return None
 
 
 def _version(body: bytes) -> str:

@@ -237,38 +237,63 @@ EXTRA_CONFIG_KEYS = frozenset({
     "vllm_version"})
 
 
-def build_pd_connector(config: EngineConfig, model: ModelSpec) -> ConnectorBundle:
-    kv_cfg = config.kv_transfer_config
+def extra_config(kv_cfg: dict[str, Any]) -> dict[str, Any]:
+    """`kv_connector_extra_config`, refused whole if a key is unknown (a misspelt one would be ignored)."""
     extra = dict(kv_cfg.get("kv_connector_extra_config") or {})
     unknown = set(extra) - EXTRA_CONFIG_KEYS
-    if unknown:  # a misspelt key would otherwise be silently ignored
+    if unknown:
         raise ValueError(f"unknown kv_connector_extra_config keys {sorted(unknown)}; known: {sorted(EXTRA_CONFIG_KEYS)}")
-    host = str(extra.get("side_channel_host", kv_cfg.get("kv_ip", "127.0.0.1")))
-    engine_id = str(kv_cfg.get("engine_id") or new_engine_id())
-    preferred = str(extra.get("data_plane", "auto"))
-    # auto (and shm, which falls back to tcp) serves every installed plane; the first one owns the pool.
-    auto = [name for name in ("shm", "nixl", "tcp") if name in DATA_PLANES]
-    plane_names = auto if preferred in ("auto", "shm") else [preferred]
-    planes = {name: make_data_plane(name, host) for name in plane_names}
-    agent = TransferAgent(AgentConfig(
-        engine_id=engine_id, compat_hash=compatibility_hash(config, model), host=host,
-        port=int(extra.get("side_channel_port", kv_cfg.get("kv_port", 0))),
+    return extra
+
+
+def side_channel_address(kv_cfg: dict[str, Any], extra: dict[str, Any]) -> tuple[str, int]:
+    return (str(extra.get("side_channel_host", kv_cfg.get("kv_ip", "127.0.0.1"))),
+            int(extra.get("side_channel_port", kv_cfg.get("kv_port", 0))))
+
+
+def agent_config(kv_cfg: dict[str, Any], extra: dict[str, Any], engine_id: str, compat_hash: str,
+                 planes: dict[str, DataPlane]) -> AgentConfig:
+    """The transfer agent's settings from a kv_transfer_config (pdserve's or vLLM's, which share the keys)."""
+    host, port = side_channel_address(kv_cfg, extra)
+    return AgentConfig(
+        engine_id=engine_id, compat_hash=compat_hash, host=host, port=port,
         lease_s=float(extra.get("kv_lease_duration", 30.0)),
         load_timeout_s=float(extra.get("kv_load_timeout", 60.0)),
         message_timeout_s=float(extra.get("message_timeout", 10.0)),
         handshake_timeout_s=float(extra.get("handshake_timeout", 5.0)),
         push_timeout_s=float(extra.get("push_registration_timeout", 60.0)),
         capture_path=extra.get("capture_messages") or os.environ.get("PDSERVE_CAPTURE_MESSAGES"),
-        preferred_plane=preferred, planes=planes, faults=resolve_fault_config(extra),
-        peers=PeerPolicy.from_config(extra.get("allowed_peers"))))
+        preferred_plane=str(extra.get("data_plane", "auto")), planes=planes, faults=resolve_fault_config(extra),
+        peers=PeerPolicy.from_config(extra.get("allowed_peers")))
+
+
+def connector_halves(agent: TransferAgent, block_size: int, policy: str, mirror: MirrorPlan | None = None
+                     ) -> tuple[PdConnectorScheduler, PdConnectorWorker]:
+    """PdConnector's scheduler and worker halves, the same for a pdserve instance and inside vLLM."""
+    config = agent.config
+    scheduler = PdConnectorScheduler(block_size, load_timeout_s=config.load_timeout_s, load_failure_policy=policy,
+                                     mirror=mirror)
+    worker = PdConnectorWorker(agent, block_size, push_timeout_s=config.push_timeout_s,
+                               unregistered_timeout_s=config.lease_s, load_failure_policy=policy)
+    return scheduler, worker
+
+
+def build_pd_connector(config: EngineConfig, model: ModelSpec) -> ConnectorBundle:
+    kv_cfg = config.kv_transfer_config
+    extra = extra_config(kv_cfg)
+    host, _ = side_channel_address(kv_cfg, extra)
+    engine_id = str(kv_cfg.get("engine_id") or new_engine_id())
+    preferred = str(extra.get("data_plane", "auto"))
+    # auto (and shm, which falls back to tcp) serves every installed plane; the first one owns the pool.
+    auto = [name for name in ("shm", "nixl", "tcp") if name in DATA_PLANES]
+    plane_names = auto if preferred in ("auto", "shm") else [preferred]
+    planes = {name: make_data_plane(name, host) for name in plane_names}
+    agent = TransferAgent(agent_config(kv_cfg, extra, engine_id, compatibility_hash(config, model), planes))
     max_blocks = cdiv(model.max_model_len, config.block_size)
     policy = str(kv_cfg.get("kv_load_failure_policy", "recompute"))
     mirror = vllm_mirror(extra, host, engine_id, model, agent)
     plan = MirrorPlan(mirror.num_blocks, mirror.block_size, config.block_size) if mirror is not None else None
-    scheduler = PdConnectorScheduler(config.block_size, load_timeout_s=agent.config.load_timeout_s,
-                                     load_failure_policy=policy, mirror=plan)
-    worker = PdConnectorWorker(agent, config.block_size, push_timeout_s=agent.config.push_timeout_s,
-                               unregistered_timeout_s=agent.config.lease_s, load_failure_policy=policy)
+    scheduler, worker = connector_halves(agent, config.block_size, policy, plan)
     loads_vllm = bool(extra.get("vllm_nixl"))
     if loads_vllm:
         agent.pull_consumer.vllm = VllmNixlConsumer(agent.rt, vllm_model_shape(model, extra.get("vllm_model")),

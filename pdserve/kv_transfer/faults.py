@@ -130,12 +130,11 @@ class FaultInjector:
         """Blocks of a transfer that the injector says never arrived."""
         return {b for b in block_ids if self._roll(self.config.block_fail, "block_fail")}
 
-    def damage(self, kv, block_ids: list[int], lost: set[int]) -> None:
-        """Apply injected transit damage to received blocks: lost ones zeroed, maybe one corrupted."""
+    def damage(self, regions, block_ids: list[int], lost: set[int]) -> None:
+        """Apply injected transit damage to received blocks (a `BlockRegions`): lost ones zeroed, maybe one
+        corrupted (the start of its bytes overwritten)."""
         for b in lost:
-            kv[b].zero_()
+            regions.fill(b, 0)
         if block_ids and self.should_corrupt_blocks():
-            victim = block_ids[len(block_ids) // 2]
-            flat = kv[victim].view(-1)
-            flat[: max(1, flat.numel() // 64)] += 1.0
+            regions.fill(block_ids[len(block_ids) // 2], 0xA5, max(1, regions.block_bytes // 64))
 

@@ -6,20 +6,25 @@ per transfer so that a partial failure keeps its valid prefix.
 
 from __future__ import annotations
 
-import torch
 import xxhash
 
-from pdserve.kv_transfer.data_plane.base import byte_view
+from pdserve.kv_transfer.data_plane.regions import BlockRegions
 
 
-def block_checksums(kv: torch.Tensor, block_ids: list[int]) -> list[int]:
-    data = byte_view(kv)
-    size = kv[0].numel() * kv.element_size()
-    return [xxhash.xxh3_64_intdigest(data[b * size:(b + 1) * size]) for b in block_ids]
+def _checksum(regions: BlockRegions, block: int) -> int:
+    """One digest over the block's bytes in layer order, whether they lie in one span or one per layer."""
+    h = xxhash.xxh3_64()
+    for view in regions.block_views(block):
+        h.update(view)
+    return h.intdigest()
 
 
-def invalid_blocks(kv: torch.Tensor, block_ids: list[int], expected: list[int]) -> list[int]:
+def block_checksums(regions: BlockRegions, block_ids: list[int]) -> list[int]:
+    return [_checksum(regions, b) for b in block_ids]
+
+
+def invalid_blocks(regions: BlockRegions, block_ids: list[int], expected: list[int]) -> list[int]:
     """The blocks (local ids) whose contents do not match what the sender checksummed."""
     if len(expected) != len(block_ids):
         return list(block_ids)  # no usable checksums: trust nothing
-    return [b for b, got, want in zip(block_ids, block_checksums(kv, block_ids), expected, strict=True) if got != want]
+    return [b for b, got, want in zip(block_ids, block_checksums(regions, block_ids), expected, strict=True) if got != want]

@@ -354,7 +354,10 @@ class PdConnectorWorker(KVConnectorWorker):
         self.kv = kv_cache
         if self.agent.vllm_producer is not None:
             self.agent.vllm_producer.allocate(kv_cache)
-        num_layers = kv_cache.shape[1]
+        self.attach_pool(kv_cache.shape[1])
+
+    def attach_pool(self, num_layers: int) -> None:
+        """The KV cache exists (pdserve's pool, or another engine's cache the data planes already serve)."""
         self.push = PushProducer(self.agent.push_producer, self.translator, self.block_size, num_layers,
                                  self.unregistered_timeout_s)
 

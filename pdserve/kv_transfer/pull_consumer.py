@@ -153,8 +153,8 @@ class PullConsumer:
         nbytes = await self.rt.off_loop(peer.channel.read_blocks, job.key, job.token, list(job.remote_block_ids),
                                         local)
         if faults.enabled:
-            faults.damage(self.rt.pool, local, faults.lost_blocks(local))
-        invalid = await self.rt.off_loop(invalid_blocks, self.rt.pool, local, grant.checksums)
+            faults.damage(self.rt.regions, local, faults.lost_blocks(local))
+        invalid = await self.rt.off_loop(invalid_blocks, self.rt.regions, local, grant.checksums)
         return nbytes, invalid, peer.plane
 
     async def heartbeat(self) -> None:

@@ -123,7 +123,7 @@ class PullProducer:
             if not expired:
                 self.rt.stats.reads_denied += 1
             return ReadGrantReply(ok=False, error=refusal, refusal="expired" if expired else "denied")
-        checksums = await self.rt.off_loop(block_checksums, self.rt.pool, list(message.block_ids))
+        checksums = await self.rt.off_loop(block_checksums, self.rt.regions, list(message.block_ids))
         return ReadGrantReply(ok=True, checksums=checksums)
 
     async def _await_hold(self, key: str) -> None:

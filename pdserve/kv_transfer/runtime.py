@@ -17,6 +17,7 @@ import torch
 
 from pdserve.ids import ReqId
 from pdserve.kv_transfer.data_plane import DataPlane
+from pdserve.kv_transfer.data_plane.regions import BlockRegions
 from pdserve.kv_transfer.faults import FaultConfig, FaultInjector
 from pdserve.kv_transfer.peer_policy import PeerPolicy
 
@@ -110,6 +111,13 @@ class AgentRuntime:
     def pool(self) -> torch.Tensor:
         """The local KV pool (every data plane serves the same one)."""
         return next(iter(self.config.planes.values())).kv
+
+    @property
+    def regions(self) -> BlockRegions:
+        """Where each local block's bytes are (pdserve's pool or another engine's per-layer cache)."""
+        regions = next(iter(self.config.planes.values())).regions
+        assert regions is not None, "the KV cache is not registered yet"
+        return regions
 
     def call(self, coro: Coroutine[Any, Any, Any]) -> None:
         """From any thread: run a coroutine on the agent's loop, fire and forget (failures are logged)."""

@@ -16,12 +16,13 @@ from typing import Any
 
 import torch
 
+from pdserve.kv_transfer.data_plane.regions import BlockRegions, DataPlaneError, byte_view, check_block_ids
+
+__all__ = ["Authorizer", "BlockRegions", "DataPlane", "DataPlaneError", "PeerChannel", "accept_until_stopped",
+           "block_runs", "byte_view", "check_block_ids"]
+
 # (op, key, token, block_ids) -> None if allowed, else the reason it is refused. op is "read" or "write".
 Authorizer = Callable[[str, str, str, list[int]], str | None]
-
-
-class DataPlaneError(RuntimeError):
-    pass
 
 
 class PeerChannel(ABC):
@@ -44,6 +45,7 @@ class DataPlane(ABC):
     def __init__(self, host: str = "127.0.0.1") -> None:
         self.host = host
         self.kv: torch.Tensor | None = None
+        self.regions: BlockRegions | None = None  # where each block's bytes are, for the planes that copy bytes
         self.authorize: Authorizer = lambda op, key, token, ids: "no transfer agent attached"
 
     @abstractmethod
@@ -53,6 +55,12 @@ class DataPlane(ABC):
     def attach(self, kv: torch.Tensor) -> None:
         """Serve a pool another plane allocated (all planes of an instance share one pool)."""
         self.kv = kv
+        self.regions = BlockRegions.from_pool(kv)
+
+    def attach_regions(self, regions: BlockRegions) -> None:
+        """Serve a cache laid out by another engine (vLLM's tensor per layer): only planes that copy opaque
+        bytes per block can."""
+        raise DataPlaneError(f"the {self.name} data plane serves only pdserve's own KV pool")
 
     def start(self, authorize: Authorizer) -> None:
         self.authorize = authorize
@@ -96,14 +104,3 @@ def block_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
         else:
             runs.append((s, d, 1))
     return runs
-
-
-def byte_view(kv: torch.Tensor) -> memoryview:
-    """The pool as flat bytes (no copy), for sockets."""
-    return memoryview(kv.view(-1).view(torch.uint8).numpy())
-
-
-def check_block_ids(block_ids: list[int], num_blocks: int) -> None:
-    for b in block_ids:
-        if not 0 <= b < num_blocks:
-            raise DataPlaneError(f"block id {b} outside the pool [0, {num_blocks})")

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from pdserve.kv_transfer.data_plane.base import DataPlaneError
+from pdserve.kv_transfer.data_plane.base import BlockRegions, DataPlane, DataPlaneError
 from pdserve.kv_transfer.data_plane.nixl_agent import NixlEndpoint, PoolLayout, PreparedSide
 from pdserve.kv_transfer.data_plane.tcp import (SOCKET_TIMEOUT_S, TcpDataPlane, TcpPeer, recv_frame, send_frame,
                                                 sorted_pairs)
@@ -35,7 +35,7 @@ class NixlPeer(TcpPeer):
     """A channel to one peer: its agent, its prepared descriptor lists and a pooled socket for grants."""
 
     def __init__(self, endpoint: NixlEndpoint, remote: str, side: PreparedSide, host: str, port: int,
-                 local: torch.Tensor) -> None:
+                 local: BlockRegions) -> None:
         super().__init__(host, port, local)
         self.endpoint = endpoint
         self.remote = remote
@@ -99,8 +99,11 @@ class NixlDataPlane(TcpDataPlane):
         self.endpoint: NixlEndpoint | None = None
         self.layout: PoolLayout | None = None
 
+    def attach_regions(self, regions: BlockRegions) -> None:
+        DataPlane.attach_regions(self, regions)  # NIXL registers pdserve's one pool tensor (not yet vLLM's)
+
     def attach(self, kv: torch.Tensor) -> None:
-        super().attach(kv)
+        DataPlane.attach(self, kv)
         self.endpoint = NixlEndpoint(f"pdserve-{os.getpid()}-{secrets.token_hex(6)}")
         self.layout = self.endpoint.register(kv)
 
@@ -140,4 +143,4 @@ class NixlDataPlane(TcpDataPlane):
             raise DataPlaneError("the peer's KV block layout differs from ours")
         layout = PoolLayout(int(info["addr"]), shape, self.kv.element_size())
         remote, side = self.endpoint.add_peer(base64.b64decode(info["metadata"]), layout)
-        return NixlPeer(self.endpoint, remote, side, str(info["host"]), int(info["port"]), self.kv)
+        return NixlPeer(self.endpoint, remote, side, str(info["host"]), int(info["port"]), self.regions)

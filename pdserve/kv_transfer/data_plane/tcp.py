@@ -1,6 +1,7 @@
 """TCP between any two hosts: the pool owner serves block reads (and accepts layer writes) over a socket.
 
-One request moves every block of a transfer: a small msgpack header, then the raw bytes streamed straight
+Blocks are located through `BlockRegions`, so pdserve's pool and vLLM's per-layer cache serve alike. One
+request moves every block of a transfer: a small msgpack header, then the raw bytes streamed straight
 from (or into) the KV pool's memory with ``sendall`` / ``recv_into``, so there is no round trip per block and
 no staging copy. Connections are kept and reused.
 """
@@ -15,8 +16,8 @@ from typing import Any
 import msgspec
 import torch
 
-from pdserve.kv_transfer.data_plane.base import (DataPlane, DataPlaneError, PeerChannel, accept_until_stopped,
-                                                 byte_view, check_block_ids)
+from pdserve.kv_transfer.data_plane.base import (BlockRegions, DataPlane, DataPlaneError, PeerChannel,
+                                                 accept_until_stopped)
 
 _LEN = struct.Struct("!I")
 _MAX_HEADER = 1 << 20
@@ -50,39 +51,10 @@ def recv_frame(sock: socket.socket) -> dict[str, Any]:
     return frame
 
 
-class _Pool:
-    """Byte-level access to blocks (and single layers of blocks) of a KV pool."""
-
-    def __init__(self, kv: torch.Tensor) -> None:
-        self.bytes = byte_view(kv)
-        self.num_blocks = kv.shape[0]
-        self.num_layers = kv.shape[1]
-        self.block_bytes = kv[0].numel() * kv.element_size()
-        self.layer_bytes = self.block_bytes // self.num_layers
-
-    def spans(self, block_ids: list[int], layer: int | None) -> list[memoryview]:
-        """Byte views of the blocks (or of one layer of each) in exactly the order named; bytes on the wire
-        follow that order, so adjacent ascending ids merge into one view but nothing is reordered."""
-        check_block_ids(block_ids, self.num_blocks)
-        if layer is None:
-            views = []
-            for start, n in _ordered_runs(block_ids):
-                views.append(self.bytes[start * self.block_bytes:(start + n) * self.block_bytes])
-            return views
-        if not 0 <= layer < self.num_layers:
-            raise DataPlaneError(f"layer {layer} outside [0, {self.num_layers})")
-        offset = layer * self.layer_bytes
-        return [self.bytes[b * self.block_bytes + offset:b * self.block_bytes + offset + self.layer_bytes]
-                for b in block_ids]
-
-    def size(self, block_ids: list[int], layer: int | None) -> int:
-        return len(block_ids) * (self.block_bytes if layer is None else self.layer_bytes)
-
-
 class TcpPeer(PeerChannel):
-    def __init__(self, host: str, port: int, local: torch.Tensor) -> None:
+    def __init__(self, host: str, port: int, local: BlockRegions) -> None:
         self.address = (host, port)
-        self.local = _Pool(local)
+        self.local = local
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
 
@@ -142,17 +114,6 @@ def sorted_pairs(remote_ids: list[int], local_ids: list[int]) -> tuple[list[int]
     return [r for r, _ in pairs], [b for _, b in pairs]
 
 
-def _ordered_runs(block_ids: list[int]) -> list[tuple[int, int]]:
-    """(start, length) runs of ids that follow each other in the given order."""
-    runs: list[tuple[int, int]] = []
-    for b in block_ids:
-        if runs and runs[-1][0] + runs[-1][1] == b:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((b, 1))
-    return runs
-
-
 class TcpDataPlane(DataPlane):
     name = "tcp"
 
@@ -161,7 +122,6 @@ class TcpDataPlane(DataPlane):
         self.requested_port = port
         self.port = 0
         self._listener: socket.socket | None = None
-        self._pool: _Pool | None = None
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -169,9 +129,9 @@ class TcpDataPlane(DataPlane):
         self.attach(torch.zeros(shape, dtype=dtype))
         return self.kv
 
-    def attach(self, kv: torch.Tensor) -> None:
-        super().attach(kv)
-        self._pool = _Pool(kv)
+    def attach_regions(self, regions: BlockRegions) -> None:
+        """Any layout serves: the socket moves each block's bytes as they lie."""
+        self.regions = regions
 
     def start(self, authorize) -> None:
         super().start(authorize)
@@ -214,17 +174,17 @@ class TcpDataPlane(DataPlane):
             return False
         refusal = self.authorize(op, str(request.get("key", "")), str(request.get("token", "")), block_ids)
         try:
-            spans = self._pool.spans(block_ids, layer) if refusal is None else []
+            spans = self.regions.spans(block_ids, layer) if refusal is None else []
         except DataPlaneError as exc:
             refusal = str(exc)
-        if op == "write" and refusal is None and request.get("nbytes") != self._pool.size(block_ids, layer):
+        if op == "write" and refusal is None and request.get("nbytes") != self.regions.size(block_ids, layer):
             refusal = "write size does not match the blocks named"
         if refusal is not None:
             send_frame(conn, {"ok": False, "error": refusal})
             return op == "read"  # a refused write leaves unread bytes on the wire
         try:
             if op == "read":
-                send_frame(conn, {"ok": True, "nbytes": self._pool.size(block_ids, layer)})
+                send_frame(conn, {"ok": True, "nbytes": self.regions.size(block_ids, layer)})
                 for view in spans:
                     conn.sendall(view)
             else:
@@ -244,6 +204,6 @@ class TcpDataPlane(DataPlane):
         return {"host": self.host, "port": self.port}
 
     def connect(self, info: dict[str, Any]) -> PeerChannel:
-        if self.kv is None:
+        if self.regions is None:
             raise DataPlaneError("the local KV pool is not allocated")
-        return TcpPeer(str(info["host"]), int(info["port"]), self.kv)
+        return TcpPeer(str(info["host"]), int(info["port"]), self.regions)

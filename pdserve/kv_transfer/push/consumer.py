@@ -134,7 +134,7 @@ class PushConsumer:
             return Ack(ok=False, error=f"wrong transfer token for {message.transfer_id!r}")
         invalid: list[int] = []
         if message.ok:
-            invalid = await self.rt.off_loop(invalid_blocks, self.rt.pool, list(expectation.block_ids),
+            invalid = await self.rt.off_loop(invalid_blocks, self.rt.regions, list(expectation.block_ids),
                                              message.checksums)
             self.rt.stats.blocks_invalid += len(invalid)
         self._complete(message.transfer_id, message.ok, message.error, invalid, fatal=message.refusal == "denied",
@@ -149,7 +149,7 @@ class PushConsumer:
                 return
             ok = ok and not expectation.cancelled
             # P wrote every registered block when its write-done says ok
-            block_bytes = self.rt.pool[0].numel() * self.rt.pool.element_size()
+            block_bytes = self.rt.regions.block_bytes
             self._completed.append(LoadResult(
                 expectation.request_id, ok=ok, error=error, fatal=fatal and not ok, mismatch=mismatch and not ok,
                 invalid_blocks=list(invalid or ()) if ok else [], plane=expectation.plane,

@@ -80,7 +80,7 @@ class ProducerLink:
 
         With `source_blocks` (ours, in registration order), the message carries their checksums.
         """
-        checksums = block_checksums(self.rt.pool, source_blocks) if ok and source_blocks else []
+        checksums = block_checksums(self.rt.regions, source_blocks) if ok and source_blocks else []
         message = WriteDone(transfer_id=registration.transfer_id, token=registration.token, ok=ok, error=error,
                             checksums=checksums, refusal=refusal)
         self.rt.call(self.peers.notify(registration.consumer_host, registration.consumer_port, message))
