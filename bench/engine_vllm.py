@@ -12,7 +12,9 @@ take each step at its fastest over the reps (bench/engine.py `steady`).
 
   .venv/bin/python bench/engine_vllm.py --dtype float32,bfloat16 --out bench/out/engine_vllm.json
   .venv/bin/python bench/engine_vllm.py --quick --dtype float32          # smoke run
-`--profile` instead runs torch.profiler around vLLM's decode steps in-process (see profile_vllm).
+  .venv/bin/python bench/engine_vllm.py --profile --dtype float32,bfloat16   # decode steps split by torch.profiler
+`--profile` runs each engine's decode steps (batch 64 and batch 1) in its own worker under torch.profiler
+(bench/step_profile.py).
 """
 
 from __future__ import annotations
@@ -110,23 +112,30 @@ def vllm_latency(llm: Any, prompt: list[int], new: int) -> dict[str, Any]:
 
 def worker(kind: str, model: str, dtype: str, mnbt: int, quick: bool) -> None:
     """Start the engine, report when its first token came, then serve commands until stdin closes."""
-    import engine as E  # noqa: E402  (bench/engine.py: workloads and the pdserve / HF runners)
+    import engine as E  # bench/engine.py: workloads and the pdserve / HF runners
+    import step_profile
     import torch
 
     wl = E.Workload.quick() if quick else E.Workload()
     first_prompt = list(range(1, 17))
+    ids = iter(range(1 << 30))
     if kind == "vLLM":
         llm = make_vllm(model, dtype, mnbt, wl)
         vllm_run(llm, [first_prompt], 1, "first")
         offline, latency = vllm_offline, vllm_latency
+        stepper = (lambda ps, n: [llm.llm_engine.add_request(f"prof-{next(ids)}", {"prompt_token_ids": p},
+                                                             vllm_greedy(n)) for p in ps],
+                   llm.llm_engine.step, llm.llm_engine.has_unfinished_requests)
     elif kind == "pdserve":
         llm = E.make_pdserve(Path(model), dtype, mnbt, wl, torch.get_num_threads())
         llm.generate([first_prompt], E.greedy(1))
         offline, latency = E.pd_offline, lambda m, p, n: E.pd_latency(m, p, n, f"lat-{time.monotonic_ns()}")
+        stepper = (lambda ps, n: [llm.engine.add_request(f"prof-{next(ids)}", p, E.greedy(n)) for p in ps],
+                   llm.engine.step, llm.engine.has_unfinished_requests)
     else:
         llm = E.make_hf(Path(model), dtype)
         E.hf_generate(llm, [first_prompt], 1)
-        offline, latency = E.hf_offline, E.hf_latency
+        offline, latency, stepper = E.hf_offline, E.hf_latency, None
     reply(dict(event="first_token", at=time.time(), threads=torch.get_num_threads()))
     offline_prompts, latency_prompts = E.make_prompts(wl)
     for line in sys.stdin:
@@ -139,6 +148,9 @@ def worker(kind: str, model: str, dtype: str, mnbt: int, quick: bool) -> None:
             reply(offline(llm, offline_prompts, wl.new_tokens))
         elif cmd["op"] == "latency":
             reply(latency(llm, latency_prompts[cmd["rep"]], wl.lat_new_tokens))
+        elif cmd["op"] == "profile":
+            batches = {f"decode, batch {len(offline_prompts)}": offline_prompts, "decode, batch 1": latency_prompts[:1]}
+            reply(step_profile.profile_decode(*stepper, batches, cmd["steps"]))
 
 
 # ----------------------------------------------------------------------------- driver side (pdserve's venv)
@@ -277,6 +289,31 @@ def print_result(res: dict[str, Any], E: Any) -> None:
               f"{'yes' if lsame else 'no'}")
 
 
+def profile(model: Path, args: argparse.Namespace, E: Any) -> int:
+    """pdserve's and vLLM's decode steps split by torch.profiler, one engine computing at a time."""
+    import step_profile
+
+    out = {}
+    for dtype in args.dtype.split(","):
+        res = {}
+        for kind in (k for k in args.engines if k != "HF"):
+            w = Worker(kind, model, args, dtype, args.log_dir)
+            try:
+                w.ask(op="warm")
+                res[f"{kind} {dtype}"] = w.ask(op="profile", steps=args.profile_steps)
+            finally:
+                w.close()
+        step_profile.print_table(res, E.log)
+        out[dtype] = res
+    E.log("")
+    for dtype in out:
+        step_profile.print_table(out[dtype], E.log)
+    import harness as H
+
+    H.write_json(args.out, dict(argv=sys.argv[1:], preset=args.model_preset, threads=args.threads, profiles=out))
+    return 0
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-preset", default="llama120m")
@@ -291,6 +328,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--models-dir", default=str(ROOT / ".cache" / "bench-models"))
     ap.add_argument("--out")
+    ap.add_argument("--profile", action="store_true", help="split decode steps by torch.profiler instead")
+    ap.add_argument("--profile-steps", type=int, default=10)
     ap.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
     ap.add_argument("--worker-model", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -314,6 +353,8 @@ def main(args: argparse.Namespace) -> int:
     model = E.build_model(args.model_preset, Path(args.models_dir))
     E.log(f"bench/engine_vllm.py: {args.model_preset}, engines {args.engines}, {args.threads} threads, "
           f"load {H.loadavg()}, worker logs in {args.log_dir}")
+    if args.profile:
+        return profile(model, args, E)
     results = []
     for dtype in args.dtype.split(","):
         E.log(f"\n=== {args.model_preset} {dtype} ===")
