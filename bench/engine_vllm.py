@@ -12,6 +12,7 @@ take each step at its fastest over the reps (bench/engine.py `steady`).
 
   .venv/bin/python bench/engine_vllm.py --dtype float32,bfloat16 --out bench/out/engine_vllm.json
   .venv/bin/python bench/engine_vllm.py --quick --dtype float32          # smoke run
+  .venv/bin/python bench/engine_vllm.py --baseline main --engines pdserve,base,vLLM   # a change's effect, vs vLLM
   .venv/bin/python bench/engine_vllm.py --profile --dtype float32,bfloat16   # decode steps split by torch.profiler
 `--profile` runs each engine's decode steps (batch 64 and batch 1) in its own worker under torch.profiler
 (bench/step_profile.py).
@@ -33,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 MARK = "@@pdserve-bench "  # result lines; everything else a worker prints is its engine's log
-ENGINES = ("pdserve", "vLLM", "HF")
+ENGINES = ("pdserve", "base", "vLLM", "HF")  # base: pdserve at --baseline (a git ref), to see a change's effect
 # pdserve / vLLM-CPU targets on llama120m: throughput >=, TPOT <=; startup to first token <= STARTUP_TARGET_S.
 TARGETS = {"float32": dict(throughput=1.15, tpot=0.8), "bfloat16": dict(throughput=1.0, tpot=0.8)}
 STARTUP_TARGET_S = 5.0
@@ -163,11 +164,13 @@ class Worker:
         python = str(vllm_python()) if kind == "vLLM" else sys.executable
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false",
                    PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+        if kind == "base":
+            env["PYTHONPATH"] = str(args.baseline_src)
         if kind == "vLLM":
             env = {k: v for k, v in env.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
             env.update(VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND="nobind",
                        VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_HOST_IP="127.0.0.1", UCX_MODULES="^ib")
-        argv = [python, __file__, "--worker", kind, "--worker-model", str(model), "--dtype", dtype,
+        argv = [python, __file__, "--worker", "pdserve" if kind == "base" else kind, "--worker-model", str(model), "--dtype", dtype,
                 "--mnbt", str(args.mnbt)] + ["--quick"] * args.quick
         self.kind, self.log = kind, log_dir / f"{kind}-{dtype}-{time.monotonic_ns()}.log"
         spawned = time.time()
@@ -258,7 +261,7 @@ def summarize(dtype: str, off: dict[str, list[dict[str, Any]]], lat: dict[str, l
             steady=dict(**E.steady(off[kind], n_tok), **E.steady(lat[kind])),
             others_max=max(r["others"] for r in off[kind] + lat[kind]))
     e = res["engines"]
-    for other in (k for k in ("vLLM", "HF") if k in e):
+    for other in (k for k in ENGINES[1:] if k in e):
         res["ratios"][other] = dict(
             throughput=e["pdserve"]["out_tok_s"].median / e[other]["out_tok_s"].median,
             steady_throughput=e["pdserve"]["steady"]["out_tok_s"] / e[other]["steady"]["out_tok_s"],
@@ -330,6 +333,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out")
     ap.add_argument("--profile", action="store_true", help="split decode steps by torch.profiler instead")
     ap.add_argument("--profile-steps", type=int, default=10)
+    ap.add_argument("--baseline", help="also measure pdserve at this git ref ('base'), e.g. main")
     ap.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
     ap.add_argument("--worker-model", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -343,7 +347,12 @@ def main(args: argparse.Namespace) -> int:
     import engine as E
     import harness as H
 
-    args.engines = [k for k in ENGINES if k in args.engines.split(",")]
+    args.engines = [k for k in ENGINES if k in args.engines.split(",") and (k != "base" or args.baseline)]
+    if args.baseline:  # pdserve's package at that ref, for the base worker's PYTHONPATH
+        args.baseline_src = H.Cleanup().work_dir("baseline")
+        archive = subprocess.run(["git", "archive", args.baseline, "pdserve"], cwd=ROOT, check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(args.baseline_src)], input=archive, check=True)
     if "vLLM" in args.engines and vllm_python() is None:
         E.log("no vLLM venv (.cache/vllm or PDSERVE_VLLM_VENV; scripts/install_vllm.sh makes one): vLLM skipped")
         args.engines.remove("vLLM")

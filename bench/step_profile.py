@@ -37,9 +37,9 @@ def _frames_class(chain: list[str]) -> str | None:
 
 def categorize(events: Any) -> dict[str, float]:
     """Self CPU microseconds per category over a profile's events, on the thread that ran the steps."""
-    per_thread: dict[int, float] = {}
+    per_thread: dict[int, int] = {}  # events per thread; an idle helper thread has few, long ones (a wait)
     for ev in events:
-        per_thread[ev.thread] = per_thread.get(ev.thread, 0.0) + ev.self_cpu_time_total
+        per_thread[ev.thread] = per_thread.get(ev.thread, 0) + 1
     main = max(per_thread, key=per_thread.__getitem__)
     out = dict.fromkeys(CATEGORIES, 0.0)
     for ev in events:
