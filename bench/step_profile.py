@@ -51,7 +51,8 @@ def categorize(events: Any) -> dict[str, float]:
             parent = parent.cpu_parent
         cls = _frames_class(chain)
         if cls is None:
-            cls = "linears" if ev.name in GEMM_OPS else "other ops" if ".py(" not in ev.name else "outside ops"
+            python = ".py(" in ev.name or ev.name.startswith("<built-in")  # a Python frame or C call, not an op
+            cls = "linears" if ev.name in GEMM_OPS else "outside ops" if python else "other ops"
         out[cls] += ev.self_cpu_time_total
     return out
 
