@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from harness import timeit
+
 CATEGORIES = ("linears", "lm_head", "attention", "other ops", "outside ops")
 GEMM_OPS = ("mkldnn::_linear_pointwise", "aten::linear", "aten::addmm", "aten::mm", "_C::onednn_mm",
             "aten::_mkl_linear", "_C::onednn_scaled_mm")
@@ -67,11 +69,7 @@ def profile_decode(add: Callable[[list[list[int]], int], None], step: Callable[[
         add(prompts, 3 * n + 8)
         for _ in range(3):  # the prefill (one step at these sizes) and two decode steps
             step()
-        walls = []
-        for _ in range(n):
-            t = time.perf_counter()
-            step()
-            walls.append(time.perf_counter() - t)
+        walls = timeit(step, reps=n, warmup=0)
         with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
             t = time.perf_counter()
             for _ in range(n):
