@@ -226,5 +226,5 @@ class ModelRunner:
             table[i, :n] = torch.tensor(s.block_ids[:n])
         keys = torch.arange(max_blocks * bs).unsqueeze(0)
         visible = keys < torch.tensor(lengths).unsqueeze(1)
-        bias = torch.zeros(visible.shape, dtype=torch.float32).masked_fill_(~visible, float("-inf"))
+        bias = torch.zeros(visible.shape, dtype=self.dtype).masked_fill_(~visible, float("-inf"))
         return table, bias.view(len(decodes), 1, 1, max_blocks * bs)
