@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -39,6 +40,34 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def ephemeral_low() -> int:
+    """The first port the kernel hands out for a bind to port 0."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def reserved_port(handed_out: set[int] = set()) -> int:  # noqa: B006 - remembers ports this process handed out
+    """A free port for a process that binds it only much later (vLLM imports for 20 s before binding its side
+    channel): taken below the ephemeral range, so no bind to port 0 by anything started meanwhile can take it,
+    which is what a port from `free_port` suffered in a full run ("Address already in use")."""
+    low = ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 12000), low)
+        if port in handed_out:
+            continue
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        handed_out.add(port)
+        return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:

@@ -21,7 +21,7 @@ import zmq
 from conftest import random_prompt
 from pdserve.kv_transfer.vllm_nixl.wire import AgentMetadata, HandshakePayload
 from pdserve.launcher import start_instance
-from peers import free_port
+from peers import reserved_port
 from server_utils import (disaggregated_equals_colocated, gateway_pull_equals_colocated, metric_values, wait_for,
                           wait_until_idle)
 from vllm_live import ready, start_vllm, vllm_pulled
@@ -40,7 +40,7 @@ def pair(models):
     vllm_d = start_vllm(model, role="kv_consumer", name="vD", wait=False, extra_args=("--no-enable-prefix-caching",))
     started = [vllm_d]
     try:
-        side_channel = free_port()
+        side_channel = reserved_port()
         config = {"kv_connector": "PdConnector", "kv_role": "kv_producer", "kv_connector_extra_config": {
             "vllm_nixl_port": side_channel, "vllm_model": str(model), "kv_lease_duration": LEASE_S}}
         started.append(start_instance(model, "--max-model-len", "512", "--num-kv-blocks", "128",

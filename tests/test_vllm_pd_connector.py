@@ -18,7 +18,7 @@ import pytest
 
 from conftest import random_prompt
 from pdserve.launcher import start
-from peers import free_port
+from peers import reserved_port
 from server_utils import assert_same_answer, completion_body, wait_for
 from vllm_live import pd_connector_config, ready, start_vllm, usage
 
@@ -32,8 +32,8 @@ def pair(models, tmp_path_factory):
     model = models("llama")
     capture = tmp_path_factory.mktemp("capture") / "p.msgs"
     p = start_vllm(model, name="P", wait=False, kv_transfer_config=pd_connector_config(
-        "kv_producer", free_port(), capture_messages=str(capture)))
-    d_config = {**pd_connector_config("kv_consumer", free_port()), "kv_load_failure_policy": "recompute"}
+        "kv_producer", reserved_port(), capture_messages=str(capture)))
+    d_config = {**pd_connector_config("kv_consumer", reserved_port()), "kv_load_failure_policy": "recompute"}
     d = start_vllm(model, name="D", wait=False, kv_transfer_config=d_config)
     try:
         ready(p)

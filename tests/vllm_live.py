@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from peers import free_port, wait_healthy
+from peers import reserved_port, wait_healthy
 from server_utils import metric_values
 
 from pdserve.launcher import Process
@@ -155,8 +155,8 @@ def start_vllm(model: Path | str, *, role: str | None = None, name: str = "vllm"
     With wait=False it returns at once: start several, then `ready(instance)` each, so their startups overlap.
     """
     venv = vllm_venv()
-    port = free_port()
-    side_channel = free_port() if role else None
+    port = reserved_port()
+    side_channel = reserved_port() if role else None
     argv = [str(venv / "bin" / "vllm"), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
             "--served-model-name", SERVED_NAME, "--dtype", "float32", "--max-model-len", str(max_model_len),
             "--enable-request-id-headers", "--disable-uvicorn-access-log",
