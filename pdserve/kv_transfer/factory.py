@@ -26,6 +26,7 @@ from pdserve.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker
 from pdserve.kv_transfer.data_plane import DATA_PLANES, DataPlane, make_data_plane
 from pdserve.kv_transfer.decode_first import DecodeFirstClient
 from pdserve.kv_transfer.faults import FaultConfig, resolve_fault_config
+from pdserve.kv_transfer.layouts import pdserve_layout
 from pdserve.kv_transfer.messages import PROTOCOL_VERSION
 from pdserve.kv_transfer.params import (VLLM_NIXL, DecodeFirst, ForeignPrefill, KVParamsError, KVTransferParams,
                                         RemoteDecode, RemotePrefill, parse_kv_params, parse_release)
@@ -288,7 +289,11 @@ def build_pd_connector(config: EngineConfig, model: ModelSpec) -> ConnectorBundl
     auto = [name for name in ("shm", "nixl", "tcp") if name in DATA_PLANES]
     plane_names = auto if preferred in ("auto", "shm") else [preferred]
     planes = {name: make_data_plane(name, host) for name in plane_names}
-    agent = TransferAgent(agent_config(kv_cfg, extra, engine_id, compatibility_hash(config, model), planes))
+    settings = agent_config(kv_cfg, extra, engine_id, compatibility_hash(config, model), planes)
+    text = model.text
+    settings.layout = pdserve_layout(config.block_size, text.num_layers, text.num_kv_heads, text.head_dim, model.dtype,
+                                     weight_fingerprint(model.path))
+    agent = TransferAgent(settings)
     max_blocks = cdiv(model.max_model_len, config.block_size)
     policy = str(kv_cfg.get("kv_load_failure_policy", "recompute"))
     mirror = vllm_mirror(extra, host, engine_id, model, agent)

@@ -20,15 +20,31 @@ class Message(msgspec.Struct, tag_field="type", tag=True, kw_only=True):
     version: int = PROTOCOL_VERSION
 
 
+class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
+    """What a block's bytes mean, so a reader whose cache is laid out otherwise can regroup them: who laid them
+    out (`engine`: "pdserve" or "vllm-cpu"), how keys are stored ("token-major" or "dim-major"), the block size,
+    each layer's part of one block (shape and dtype), the layer count, and the model (a weights fingerprint)."""
+
+    engine: str
+    key_layout: str
+    block_size: int
+    layer_shape: list[int]
+    dtype: str
+    num_layers: int
+    model: str
+
+
 class Handshake(Message, tag="handshake"):
     engine_id: str
     compat_hash: str
+    layout: KVLayout | None = None  # absent from peers that copy only opaquely
 
 
 class HandshakeReply(Message, tag="handshake_reply"):
     ok: bool
     engine_id: str
     compat_hash: str = ""
+    layout: KVLayout | None = None
     data_plane_info: dict[str, Any] = {}
     error: str = ""
 

@@ -16,6 +16,7 @@ import zmq.asyncio
 
 from pdserve.kv_transfer.data_plane import DataPlaneError, PeerChannel
 from pdserve.kv_transfer.faults import FaultInjector
+from pdserve.kv_transfer.layouts import Regrouper, translation_refused
 from pdserve.kv_transfer.messages import Handshake, HandshakeReply, Message, Release
 from pdserve.kv_transfer.peer_policy import PeerNotAllowed
 from pdserve.kv_transfer.runtime import AgentRuntime
@@ -49,6 +50,7 @@ class Peer:
     engine_id: str
     channel: PeerChannel
     plane: str
+    regrouper: Regrouper | None = None  # set when its blocks are in another engine's layout (reads regroup them)
 
 
 class Peers:
@@ -121,14 +123,20 @@ class Peers:
     async def _handshake_with(self, host: str, port: int) -> Peer:
         config = self.rt.config
         client = await self._allowed_client(host, port)
-        reply = await client.request(
-            Handshake(engine_id=config.engine_id, compat_hash=config.compat_hash), config.handshake_timeout_s)
+        reply = await client.request(Handshake(engine_id=config.engine_id, compat_hash=config.compat_hash,
+                                               layout=config.layout), config.handshake_timeout_s)
         if not isinstance(reply, HandshakeReply):
             raise DataPlaneError(f"unexpected handshake reply from {host}:{port}: {reply}")
-        if not reply.ok or reply.compat_hash != config.compat_hash:
+        if not reply.ok:
             raise DataPlaneError(reply.error or "compatibility hash mismatch")
+        regrouper = None
+        if reply.compat_hash != config.compat_hash:
+            refused = translation_refused(config.layout, reply.layout)
+            if refused:
+                raise DataPlaneError(f"incompatible KV at {host}:{port}: {refused}")
+            regrouper = Regrouper(config.layout, reply.layout)
         plane_name, channel = await self._connect(reply.data_plane_info)
-        return Peer(reply.engine_id, channel, plane_name)
+        return Peer(reply.engine_id, channel, plane_name, regrouper)
 
     async def _connect(self, offered: dict[str, Any]) -> tuple[str, PeerChannel]:
         """A channel on the first candidate plane that actually connects.
@@ -160,12 +168,15 @@ class Peers:
         """Answer a peer's handshake: our identity, and how to reach our pool on each data plane."""
         config = self.rt.config
         info = {name: plane.local_info() for name, plane in config.planes.items()}
-        ok = message.compat_hash == config.compat_hash
-        if not ok:
+        # Another engine's layout is the reader's to regroup; we only check that it can.
+        refused = "" if message.compat_hash == config.compat_hash else translation_refused(config.layout,
+                                                                                          message.layout)
+        if refused:
             self.rt.stats.handshake_refusals += 1
-        return HandshakeReply(ok=ok, engine_id=config.engine_id, compat_hash=config.compat_hash, data_plane_info=info,
-                              error="" if ok else "incompatible instances: model, dtype, KV layout, block size or "
-                                                  "protocol version differ (compatibility hash mismatch)")
+        error = (f"incompatible instances: model, dtype, KV layout, block size or protocol version differ "
+                 f"(compatibility hash mismatch; {refused})") if refused else ""
+        return HandshakeReply(ok=not refused, engine_id=config.engine_id, compat_hash=config.compat_hash,
+                              layout=config.layout, data_plane_info=info, error=error)
 
     def drop(self, address: Address) -> None:
         """Forget a peer's data channel after a failure: the next transfer handshakes afresh.

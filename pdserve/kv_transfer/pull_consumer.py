@@ -19,7 +19,7 @@ from pdserve.kv_transfer.data_plane import DataPlaneError
 from pdserve.kv_transfer.faults import InjectedFault
 from pdserve.kv_transfer.integrity import invalid_blocks
 from pdserve.kv_transfer.messages import Ack, Heartbeat, ReadDone, ReadGrant, ReadGrantReply
-from pdserve.kv_transfer.peers import Address, Peers, TransferRefused
+from pdserve.kv_transfer.peers import Address, Peer, Peers, TransferRefused
 from pdserve.kv_transfer.runtime import AgentRuntime, LoadResult
 from pdserve.kv_transfer.side_channel import SideChannelError
 
@@ -150,12 +150,30 @@ class PullConsumer:
         if stall:
             await asyncio.sleep(stall)
         local = list(job.local_block_ids)
+        if peer.regrouper is not None:
+            nbytes, invalid = await self.rt.off_loop(self._read_regrouped, peer, job, local, grant.checksums)
+            return nbytes, invalid, peer.plane
         nbytes = await self.rt.off_loop(peer.channel.read_blocks, job.key, job.token, list(job.remote_block_ids),
                                         local)
         if faults.enabled:
             faults.damage(self.rt.regions, local, faults.lost_blocks(local))
         invalid = await self.rt.off_loop(invalid_blocks, self.rt.regions, local, grant.checksums)
         return nbytes, invalid, peer.plane
+
+    def _read_regrouped(self, peer: Peer, job: LoadJob, local: list[int], checksums: list[int]
+                        ) -> tuple[int, list[int]]:
+        """A producer of another engine's layout: its blocks into a staging area, checked there (the checksums
+        are of its bytes), then regrouped into our cache. Blocking (on the executor)."""
+        assert peer.regrouper is not None
+        staging, regions = peer.regrouper.staging(len(local))
+        staged = list(range(len(local)))
+        nbytes = peer.channel.read_into(job.key, job.token, list(job.remote_block_ids), staged, regions)
+        faults = self.rt.faults
+        if faults.enabled:
+            faults.damage(regions, staged, faults.lost_blocks(staged))
+        invalid = set(invalid_blocks(regions, staged, checksums))
+        peer.regrouper.regroup(staging, self.rt.caches, local)
+        return nbytes, [b for i, b in enumerate(local) if i in invalid]
 
     async def heartbeat(self) -> None:
         """Forever: renew the producers' leases on every transfer still watched."""

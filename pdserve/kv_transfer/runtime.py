@@ -19,6 +19,7 @@ from pdserve.ids import ReqId
 from pdserve.kv_transfer.data_plane import DataPlane
 from pdserve.kv_transfer.data_plane.regions import BlockRegions
 from pdserve.kv_transfer.faults import FaultConfig, FaultInjector
+from pdserve.kv_transfer.messages import KVLayout
 from pdserve.kv_transfer.peer_policy import PeerPolicy
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,8 @@ class AgentConfig:
     planes: dict[str, DataPlane] = field(default_factory=dict)
     faults: FaultConfig = field(default_factory=FaultConfig)
     peers: PeerPolicy = field(default_factory=lambda: PeerPolicy.from_config(None))  # whom we may dial
+    layout: KVLayout | None = None  # what our blocks are, for peers of another engine (None: opaque copies only)
+    layer_caches: tuple[torch.Tensor, ...] = ()  # another engine's cache, a tensor per layer (empty: pdserve's pool)
 
 
 @dataclass(slots=True)
@@ -118,6 +121,11 @@ class AgentRuntime:
         regions = next(iter(self.config.planes.values())).regions
         assert regions is not None, "the KV cache is not registered yet"
         return regions
+
+    @property
+    def caches(self) -> tuple[torch.Tensor, ...]:
+        """The local cache as tensors, for regrouping another layout's blocks into it."""
+        return self.config.layer_caches or (self.pool,)
 
     def call(self, coro: Coroutine[Any, Any, Any]) -> None:
         """From any thread: run a coroutine on the agent's loop, fire and forget (failures are logged)."""

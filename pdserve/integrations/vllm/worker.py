@@ -2,14 +2,17 @@
 agent and `PdConnectorWorker`, the same code a pdserve instance runs.
 
 The agent starts when vLLM registers its KV cache: only then are there bytes to serve and a layout to name in
-the compatibility hash. Bytes move opaquely per (block, layer), so both ends must lay the cache out alike: the
-hash covers vLLM's version, the model, the layers' names, shapes and dtype, and the block size.
+the compatibility hash. Bytes move opaquely per (block, layer) between ends that lay the cache out alike: the
+hash covers vLLM's version, the model, the layers' names, shapes and dtype, and the block size. A pdserve
+instance lays the same model's KV out otherwise; the handshake's layout identity (vLLM-CPU's, with the weights'
+fingerprint) lets either end regroup the other's blocks when it reads them (`kv_transfer/layouts.py`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,12 +22,20 @@ from pdserve.integrations.vllm.settings import Settings
 from pdserve.kv_transfer.agent import TransferAgent
 from pdserve.kv_transfer.data_plane import make_data_plane
 from pdserve.kv_transfer.data_plane.regions import BlockRegions
-from pdserve.kv_transfer.factory import agent_config, connector_halves
+from pdserve.kv_transfer.factory import agent_config, connector_halves, weight_fingerprint
+from pdserve.kv_transfer.layouts import vllm_cpu_layout
 from pdserve.kv_transfer.messages import PROTOCOL_VERSION
 from pdserve.kv_transfer.pd_connector import PdConnectorMetadata, PdConnectorWorker
 
 # Inside vLLM the cache is vLLM's memory, served over the plane that copies any layout's bytes.
 PLANES = ("tcp",)
+
+
+def model_fingerprint(model: str) -> str:
+    """The weights' fingerprint pdserve instances name in their layout, when vLLM serves a local folder ("" else:
+    such an instance exchanges KV only with vLLM instances like it)."""
+    path = Path(model)
+    return weight_fingerprint(path) if path.is_dir() else ""
 
 
 def vllm_compat_hash(settings: Settings, vllm_version: str, kv_caches: dict[str, torch.Tensor]) -> str:
@@ -51,6 +62,10 @@ class VllmWorkerSide:
         for plane in planes.values():
             plane.attach_regions(regions)
         config = agent_config(s.kv_cfg, s.extra, s.engine_id, vllm_compat_hash(s, vllm_version, kv_caches), planes)
+        caches = tuple(kv_caches.values())
+        if caches[0].device.type == "cpu":  # vLLM-CPU's layout; on other devices copies stay opaque
+            config.layout = vllm_cpu_layout(caches, s.block_size, model_fingerprint(s.model))
+            config.layer_caches = caches
         self.agent = TransferAgent(config)
         _, self.half = connector_halves(self.agent, s.block_size, s.policy)
         self.half.attach_pool(regions.num_layers)

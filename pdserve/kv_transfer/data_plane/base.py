@@ -35,6 +35,12 @@ class PeerChannel(ABC):
                      layer: int | None = None) -> int:
         """Copy local blocks (or one layer of them) into the remote ones; returns bytes moved. Blocking."""
 
+    def read_into(self, key: str, token: str, remote_ids: list[int], staged_ids: list[int],
+                  staging: BlockRegions) -> int:
+        """Copy the remote blocks' bytes as they lie into a staging area (another engine's layout, to be
+        regrouped); returns bytes moved. Blocking. Only planes that copy bytes through `BlockRegions` can."""
+        raise DataPlaneError("this data plane reads only into the local KV pool, not into a staging area")
+
     def close(self) -> None:
         pass
 

@@ -88,11 +88,14 @@ class TcpPeer(PeerChannel):
         return reply
 
     def read_blocks(self, key: str, token: str, remote_ids: list[int], local_ids: list[int]) -> int:
+        return self.read_into(key, token, remote_ids, local_ids, self.local)
+
+    def read_into(self, key: str, token: str, remote_ids: list[int], staged_ids: list[int],
+                  staging: BlockRegions) -> int:
         # Ask in ascending remote order (the peer then sends few long runs), receive in that same order.
-        remote, local = sorted_pairs(remote_ids, local_ids)
-        self._exchange({"op": "read", "key": key, "token": token, "block_ids": remote}, [],
-                       self.local.spans(local, None))
-        return self.local.size(local_ids, None)
+        remote, local = sorted_pairs(remote_ids, staged_ids)
+        self._exchange({"op": "read", "key": key, "token": token, "block_ids": remote}, [], staging.spans(local, None))
+        return staging.size(staged_ids, None)
 
     def write_blocks(self, key: str, token: str, local_ids: list[int], remote_ids: list[int],
                      layer: int | None = None) -> int:

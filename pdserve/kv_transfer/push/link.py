@@ -12,6 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from pdserve.ids import TransferId
+from pdserve.kv_transfer.data_plane import DataPlaneError
 from pdserve.kv_transfer.integrity import block_checksums
 from pdserve.kv_transfer.messages import Ack, PushRegister, WriteDone
 from pdserve.kv_transfer.peers import Peers
@@ -65,6 +66,8 @@ class ProducerLink:
         peer = self.rt.call_and_wait(
             self.peers.peer(registration.consumer_host, registration.consumer_port, registration.consumer_engine_id),
             self.rt.config.handshake_timeout_s + 1)
+        if peer.regrouper is not None:
+            raise DataPlaneError("push writes blocks as they lie, and the consumer's KV is in another engine's layout")
         lost = faults.lost_blocks(local_ids) if faults.enabled else set()
         pairs = [(s, d) for s, d in zip(local_ids, remote_ids, strict=True) if s not in lost]
         if not pairs:

@@ -10,6 +10,7 @@ regroups its tokens into its own blocks.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,14 +37,19 @@ def covering_blocks(remote_block_ids: tuple[int, ...], block_size: int, first_to
     return VllmBlocks(tuple(remote_block_ids[first:last]), first_token - first * block_size, end_token - first_token)
 
 
-def staging_view(staging: torch.Tensor, pool: torch.Tensor, num_blocks: int, block_size: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The keys and values of `num_blocks` vLLM blocks of every layer held in the staging bytes (layer-major),
-    each as ``[layers, blocks, heads, block_size, head_dim]``."""
+def staging_view(staging: torch.Tensor, pool: torch.Tensor, num_blocks: int, block_size: int,
+                 block_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values of `num_blocks` vLLM blocks of every layer held in the staging bytes, each as
+    ``[layers, blocks, heads, block_size, head_dim]``. The bytes are layer-major (a NIXL read of each layer's
+    blocks), or with `block_major` block after block, each block's layers in order (a socket read of whole blocks)."""
     _, layers, _, heads, _, head_dim = pool.shape
     per_head = block_size * head_dim
     count = layers * num_blocks * heads * 2 * per_head
-    blocks = staging[:count * pool.element_size()].view(pool.dtype).view(layers, num_blocks, heads, 2 * per_head)
+    flat = staging[:count * pool.element_size()].view(pool.dtype)
+    if block_major:
+        blocks = flat.view(num_blocks, layers, heads, 2 * per_head).transpose(0, 1)
+    else:
+        blocks = flat.view(layers, num_blocks, heads, 2 * per_head)
     keys = blocks[..., :per_head].unflatten(-1, (head_dim, block_size)).transpose(-1, -2)
     values = blocks[..., per_head:].unflatten(-1, (block_size, head_dim))
     return keys, values
@@ -77,20 +83,27 @@ def mirror_view(mirror: torch.Tensor, block_size: int) -> tuple[torch.Tensor, to
     return keys, values
 
 
-def gather_into_mirror(pool: torch.Tensor, local_block_ids: list[int], count: int, mirror: torch.Tensor,
+def gather_into_mirror(pool: torch.Tensor, local_block_ids: list[int], count: int, mirror: Sequence[torch.Tensor],
                        mirror_block_ids: list[int]) -> None:
-    """The reverse of `scatter_into_pool`: `count` tokens of pdserve blocks regrouped into vLLM blocks of the mirror
-    (rows past the last token in the last vLLM block are left as they were: vLLM reads only the prompt's rows)."""
+    """The reverse of `scatter_into_pool`: `count` tokens of pdserve blocks regrouped into vLLM-CPU blocks, `mirror`
+    being one ``[blocks, heads, 2 * block_size * head_dim]`` tensor per layer (a mirror pool's layers, or vLLM's own
+    caches so viewed). Rows past the last token in the last vLLM block are left as they were: vLLM reads only the
+    prompt's rows."""
     _, layers, _, heads, block_size, head_dim = pool.shape
-    vllm_block = mirror.shape[-1] // (2 * head_dim)
+    vllm_block = mirror[0].shape[-1] // (2 * head_dim)
     tokens = pool[torch.tensor(local_block_ids)].permute(0, 4, 1, 2, 3, 5)  # [blocks, B, layers, 2, H, D]
     tokens = tokens.reshape(-1, layers, 2, heads, head_dim)[:count]
-    keys, values = mirror_view(mirror, vllm_block)
     full, tail = divmod(count, vllm_block)
     if full + (tail > 0) != len(mirror_block_ids):
         raise ValueError(f"{count} tokens do not fill {len(mirror_block_ids)} vLLM blocks of {vllm_block}")
-    for i, block in enumerate(mirror_block_ids):
-        rows = tokens[i * vllm_block:(i + 1) * vllm_block]  # [rows, layers, 2, H, D]
-        n = rows.shape[0]
-        keys[:, block, :, :n] = rows[:, :, 0].permute(1, 2, 0, 3)
-        values[:, block, :, :n] = rows[:, :, 1].permute(1, 2, 0, 3)
+    rows = tokens[:full * vllm_block].unflatten(0, (full, vllm_block))  # [full, B, layers, 2, H, D]
+    ids = torch.tensor(mirror_block_ids[:full], dtype=torch.long)
+    for layer, cache in enumerate(mirror):
+        keys, values = mirror_view(cache, vllm_block)  # each [blocks, H, B, D]
+        if full:
+            keys[ids] = rows[:, :, layer, 0].transpose(1, 2)
+            values[ids] = rows[:, :, layer, 1].transpose(1, 2)
+        if tail:
+            last = tokens[full * vllm_block:, layer]  # [tail, 2, H, D]
+            keys[mirror_block_ids[full], :, :tail] = last[:, 0].transpose(0, 1)
+            values[mirror_block_ids[full], :, :tail] = last[:, 1].transpose(0, 1)
