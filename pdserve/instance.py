@@ -16,6 +16,7 @@ from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv_transfer.decode_first import DecodeFirstClient
 from pdserve.kv_transfer.factory import DEFAULT_CONNECTOR, build_connectors
+from pdserve.kv_transfer.layouts import PDSERVE
 from pdserve.multimodal.media import MediaPolicy
 from pdserve.multimodal.prompt import MultimodalPrompter
 from pdserve.net.auth import bearer_header
@@ -87,8 +88,9 @@ class Instance:
             engine_id=bundle.engine_id if bundle else None,
             side_channel_host=bundle.agent.config.host if bundle else None,
             side_channel_port=bundle.agent.port if bundle else None,
-            kv_sources=["vllm-nixl"] if bundle and bundle.agent.pull_consumer.vllm is not None else [],
-            kv_sinks=["vllm-nixl"] if bundle and bundle.agent.vllm_producer is not None else [])
+            kv_sources=bundle.kv_sources() if bundle else [],
+            kv_sinks=["vllm-nixl"] if bundle and bundle.agent.vllm_producer is not None else [],
+            kv_layout=PDSERVE if bundle else None, kv_block_size=self.config.block_size if bundle else None)
 
     def _ec_produces(self) -> bool:
         return self.config.role == "encode" or self.config.ec_transfer_config.get("ec_role") in ("ec_producer",

