@@ -25,7 +25,7 @@ def kv(role: str, plane: str, **extra) -> str:
         "data_plane": plane, "kv_lease_duration": 3.0, "push_registration_timeout": 10.0, **extra}})
 
 
-@pytest.fixture(scope="module", params=data_planes("tcp", "nixl"))
+@pytest.fixture(scope="module", params=data_planes("tcp", "nixl", "mooncake"))
 def pd(models, request):
     model = models("llama")
     plane = request.param

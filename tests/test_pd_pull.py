@@ -20,7 +20,7 @@ def kv_config(role: str, plane: str, **extra) -> str:
                        "kv_connector_extra_config": {"data_plane": plane, **extra}})
 
 
-@pytest.fixture(scope="module", params=data_planes("shm", "tcp", "nixl"))
+@pytest.fixture(scope="module", params=data_planes("shm", "tcp", "nixl", "mooncake"))
 def cluster(request, models):
     model = models("qwen3")
     plane = request.param

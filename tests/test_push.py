@@ -20,7 +20,7 @@ COMMON = ["--max-model-len", "512", "--num-kv-blocks", "192", "--served-model-na
           "--max-num-batched-tokens", "16"]
 
 
-@pytest.fixture(scope="module", params=data_planes("shm", "tcp", "nixl"))
+@pytest.fixture(scope="module", params=data_planes("shm", "tcp", "nixl", "mooncake"))
 def cluster(request, models, tmp_path_factory):
     model = models("qwen3")
     plane = request.param
