@@ -85,6 +85,7 @@ FAULTS = {
 }
 
 
+@pytest.mark.core
 @pytest.mark.parametrize("protocol", ["pull", "push", "decode-first"])
 @pytest.mark.parametrize("fault", FAULTS)
 def test_injected_fault_still_gives_the_colocated_answer(cluster, protocol, fault):
@@ -98,6 +99,7 @@ def test_injected_fault_still_gives_the_colocated_answer(cluster, protocol, faul
         assert tokens(ask(cluster[protocol].url, prompt)) == tokens(ask(cluster["C"].url, prompt))
 
 
+@pytest.mark.core
 def test_checksums_catch_corruption_and_partial_loads_keep_the_valid_prefix(cluster):
     """Blocks lost in transit fail their checksum; D keeps the valid prefix and recomputes from the first bad one."""
     num_blocks, p_lost = 10, 0.4
