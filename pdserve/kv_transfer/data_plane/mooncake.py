@@ -13,14 +13,20 @@ names a registered address; its listeners bind every interface, which is why the
 from __future__ import annotations
 
 import os
-import time
-from typing import Any
 
-import torch
-from mooncake.engine import TransferEngine
+# The engine logs every handshake and segment at INFO (and, over TCP, a missing RDMA device as a warning) on
+# stderr next to the instance's own log: errors only, unless the operator says otherwise. It reads the level
+# when its module loads.
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
-from pdserve.kv_transfer.data_plane.base import DataPlaneError
-from pdserve.kv_transfer.data_plane.one_sided import (EngineChannel, GrantingPlane, pause, pool_info,
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+from mooncake.engine import TransferEngine  # noqa: E402
+
+from pdserve.kv_transfer.data_plane.base import DataPlaneError  # noqa: E402
+from pdserve.kv_transfer.data_plane.one_sided import (EngineChannel, GrantingPlane, pause, pool_info,  # noqa: E402
                                                       remote_pool)
 
 _DONE, _PENDING = 1, 0  # transfer_check_status: 1 done, 0 in flight, -1 failed, -2 timed out
@@ -31,9 +37,6 @@ class MooncakeEngine:
     engine takes calls from many threads at once."""
 
     def __init__(self, host: str) -> None:
-        # The engine logs every handshake and segment at INFO (and, over TCP, a missing RDMA device as a
-        # warning) on stderr next to the instance's own log: errors only, unless the operator says otherwise.
-        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
         self.engine = TransferEngine()
         if self.engine.initialize(host, "P2PHANDSHAKE", "tcp", "") != 0:
             raise DataPlaneError("the Mooncake transfer engine did not start")
