@@ -6,13 +6,15 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test bench install clean
 
-$(STAMP): pyproject.toml requirements/constraints.txt
+$(STAMP): pyproject.toml requirements/constraints.txt scripts/install_mooncake.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch is pinned by the constraints file so pip takes the CPU wheel, never the CUDA stack.
 	$(PY) -m pip install --quiet -c requirements/constraints.txt -e '.[test]'
 	# The nixl data plane's optional wheels (the `nixl` extra), --no-deps: their metadata pulls CUDA torch.
 	$(PY) -m pip install --quiet --no-deps nixl-cu12==1.5.1 nixl==1.5.1
+	# The mooncake data plane's engine (the `mooncake` extra) and, as root, the system libraries it links.
+	scripts/install_mooncake.sh $(PY)
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -1,5 +1,5 @@
 """KV data planes against their machine limits, on one host and across simulated hosts: shm and nixl against a
-memcpy, tcp and nixl against a raw socket, in the same rounds.
+memcpy, tcp, nixl and mooncake (over its TCP transport) against a raw socket, in the same rounds.
 
 One pass per (where, block size), each with two processes started from this file: the pool owner (one pool per data
 plane, pre-touched, each block's first element its id, served with an allow-all authorizer, and a raw socket server
@@ -52,7 +52,7 @@ _REQ = struct.Struct("!QQ")  # raw socket request: offset, nbytes (0 closes)
 def planes_at(where: str) -> list[str]:
     from pdserve.kv_transfer.data_plane import DATA_PLANES
 
-    return [p for p in ("shm", "tcp", "nixl") if p in DATA_PLANES and (p != "shm" or where == "host")]
+    return [p for p in ("shm", "tcp", "nixl", "mooncake") if p in DATA_PLANES and (p != "shm" or where == "host")]
 
 
 def methods_at(where: str) -> list[str]:
@@ -61,7 +61,7 @@ def methods_at(where: str) -> list[str]:
 
 def limits_for(where: str, method: str) -> tuple[str, ...]:
     """The limits a method is judged against: memcpy and cma only where both ends share a host's memory."""
-    if where == "netns" or method.startswith("tcp"):
+    if where == "netns" or method.startswith(("tcp", "mooncake")):
         return ("raw",)
     return ("memcpy", "cma") if method == "shm" else LIMITS[where]
 

@@ -24,6 +24,24 @@ from pdserve.modelgen import make_text_model
 
 torch.set_num_threads(1)
 
+# Planes run for breadth: in each suite parametrised over data planes they run only the cases marked `core`,
+# which exercise the plane end to end (pull, push, concurrency, faults, refusals) at a fraction of the suite's time.
+BREADTH_PLANES = {"mooncake"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    def breadth_only(item: pytest.Item) -> bool:
+        params = getattr(item, "callspec", None)
+        on_breadth_plane = params is not None and any(v in BREADTH_PLANES for v in params.params.values()
+                                                      if isinstance(v, str))
+        return on_breadth_plane and item.get_closest_marker("core") is None
+
+    dropped = [item for item in items if breadth_only(item)]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if not breadth_only(item)]
+
+
 # Small enough to keep every engine cheap to build (the default budget zeroes ~0.5 GiB of KV cache).
 DEFAULT_ENGINE_KWARGS: dict[str, Any] = {"num_kv_blocks": 256, "max_model_len": 512, "seed": 0}
 

@@ -14,13 +14,19 @@ from prometheus_client.parser import text_string_to_metric_families
 
 
 def data_planes(*names: str) -> list:
-    """Parameters for tests run once per data plane. NIXL is optional: without it the nixl runs are skipped with
-    the reason, except under CI=true, where they run and fail (CI installs it; a silent skip would hide a loss)."""
-    from pdserve.kv_transfer.data_plane import DATA_PLANES, NIXL_INSTALL_HINT
+    """Parameters for tests run once per data plane. Planes over a third-party engine (nixl, mooncake) are
+    optional: where the engine is missing their runs are skipped with the reason, except under CI=true, where they
+    run and fail (CI installs them; a silent skip would hide a loss)."""
+    from pdserve.kv_transfer.data_plane import DATA_PLANES, OPTIONAL_PLANES
 
-    missing = "nixl" not in DATA_PLANES and os.environ.get("CI") != "true"
-    skip = pytest.mark.skipif(missing, reason=f"NIXL is not installed ({NIXL_INSTALL_HINT})")
-    return [pytest.param(name, marks=skip) if name == "nixl" else name for name in names]
+    def param(name: str):
+        if name not in OPTIONAL_PLANES:
+            return name
+        missing = name not in DATA_PLANES and os.environ.get("CI") != "true"
+        return pytest.param(name, marks=pytest.mark.skipif(
+            missing, reason=f"the {name} data plane's engine is not installed ({OPTIONAL_PLANES[name][2]})"))
+
+    return [param(name) for name in names]
 
 
 @contextlib.contextmanager

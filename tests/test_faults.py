@@ -23,7 +23,7 @@ def kv(role: str, plane: str, policy: str = "recompute") -> str:
                        "kv_connector_extra_config": {**FAST, "data_plane": plane}})
 
 
-@pytest.fixture(scope="module", params=data_planes("auto", "nixl"))
+@pytest.fixture(scope="module", params=data_planes("auto", "nixl", "mooncake"))
 def cluster(models, request):
     model = models("llama")
     plane = request.param
@@ -85,10 +85,11 @@ FAULTS = {
 }
 
 
+@pytest.mark.core
 @pytest.mark.parametrize("protocol", ["pull", "push", "decode-first"])
 @pytest.mark.parametrize("fault", FAULTS)
 def test_injected_fault_still_gives_the_colocated_answer(cluster, protocol, fault):
-    if cluster["plane"] == "nixl" and fault.startswith("message"):
+    if cluster["plane"] != "auto" and fault.startswith("message"):
         pytest.skip("side-channel faults do not touch the data plane: run once, on auto")
     where, faults = FAULTS[fault]
     for name in ("P", "D"):
@@ -98,6 +99,7 @@ def test_injected_fault_still_gives_the_colocated_answer(cluster, protocol, faul
         assert tokens(ask(cluster[protocol].url, prompt)) == tokens(ask(cluster["C"].url, prompt))
 
 
+@pytest.mark.core
 def test_checksums_catch_corruption_and_partial_loads_keep_the_valid_prefix(cluster):
     """Blocks lost in transit fail their checksum; D keeps the valid prefix and recomputes from the first bad one."""
     num_blocks, p_lost = 10, 0.4

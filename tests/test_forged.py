@@ -25,7 +25,7 @@ def kv(role: str, plane: str, **extra) -> str:
         "data_plane": plane, "kv_lease_duration": 3.0, "push_registration_timeout": 10.0, **extra}})
 
 
-@pytest.fixture(scope="module", params=data_planes("tcp", "nixl"))
+@pytest.fixture(scope="module", params=data_planes("tcp", "nixl", "mooncake"))
 def pd(models, request):
     model = models("llama")
     plane = request.param
@@ -91,6 +91,7 @@ FORGERIES = {
 }
 
 
+@pytest.mark.core
 @pytest.mark.parametrize("forgery", FORGERIES)
 def test_forged_pull_params_are_refused(pd, held, forgery):
     a, b = held
@@ -150,6 +151,7 @@ def test_unknown_push_transfer_is_refused(pd):
         assert idle["pdserve:kv_transfer_map_size"] == 0 and idle["pdserve:kv_push_expected"] == 0
 
 
+@pytest.mark.core
 def test_rogue_instance_on_the_side_channel_and_data_plane(pd, held):
     """Speaking P's protocols directly: wrong tokens get nothing, and cannot free someone else's KV."""
     a, b = held

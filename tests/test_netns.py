@@ -56,7 +56,7 @@ def kv_config(role: str, plane: str, host: str, **extra) -> str:
         "data_plane": plane, "side_channel_host": host, "handshake_timeout": 3.0, "message_timeout": 3.0, **extra}})
 
 
-@pytest.fixture(scope="module", params=["auto", "tcp", "nixl"])
+@pytest.fixture(scope="module", params=["auto", "tcp", "nixl", "mooncake"])
 def fleet(request, network, models) -> Iterator[dict[str, Process]]:
     plane = request.param
     if plane not in ("auto", *DATA_PLANES):
@@ -122,6 +122,7 @@ def test_p_and_d_are_separate_hosts(network, fleet):
         assert fleet[name].ready["side_channel_port"] > 0
 
 
+@pytest.mark.core
 @pytest.mark.parametrize("protocol", ["pull", "push"])
 def test_answers_equal_colocated_across_hosts(network, fleet, colocated, protocol):
     for n, body in enumerate(({"prompt": list(range(40, 47)), "max_tokens": 6},

@@ -1,5 +1,5 @@
-"""The nixl data plane on its own: an owner process serves its pool, this process reads and writes runs of blocks
-and single layers through NIXL, checked byte for byte; the owner's capability check refuses what it did not grant,
+"""The planes over a one-sided engine (nixl, mooncake) on their own: an owner process serves its pool, this process
+reads and writes runs of blocks and single layers through the engine, checked byte for byte; the owner's capability check refuses what it did not grant,
 and an idle owner does not spin a core."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from server_utils import data_planes
 
 from pdserve.kv_transfer.data_plane import DATA_PLANES, DataPlaneError, make_data_plane
 
-pytestmark = pytest.mark.parametrize("plane", data_planes("nixl"))
+pytestmark = [pytest.mark.parametrize("plane", data_planes("nixl", "mooncake")), pytest.mark.core]
 
 SHAPE = (24, 3, 2, 2, 4, 8)  # blocks, layers, kv, heads, block_size, head_dim
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,7 +27,7 @@ OWNER = """
 import json, sys, torch
 from pdserve.kv_transfer.data_plane import make_data_plane
 shape = tuple(json.loads(sys.argv[1]))
-plane = make_data_plane("nixl", "127.0.0.1")
+plane = make_data_plane(sys.argv[2], "127.0.0.1")
 pool = plane.allocate(shape, torch.float32)
 pool.copy_(torch.arange(pool.numel(), dtype=torch.float32).view(shape))
 def authorize(op, key, token, ids):
@@ -45,8 +45,8 @@ for line in sys.stdin:  # "dump": the pool's bytes, to check what was written
 @pytest.fixture()
 def owner(plane):
     if plane not in DATA_PLANES:
-        pytest.fail("NIXL is not installed")
-    proc = subprocess.Popen([sys.executable, "-c", OWNER, msgspec.json.encode(SHAPE).decode()], cwd=ROOT,
+        pytest.fail(f"the {plane} data plane's engine is not installed")
+    proc = subprocess.Popen([sys.executable, "-c", OWNER, msgspec.json.encode(SHAPE).decode(), plane], cwd=ROOT,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
         info = msgspec.json.decode(proc.stdout.readline())
@@ -123,7 +123,8 @@ def test_the_owner_refuses_what_it_did_not_grant(owner, reader):
 
 
 def test_an_idle_owner_uses_no_cpu(owner, reader):
-    """NIXL's own progress thread would busy-poll a core; the plane progresses only while a transfer runs."""
+    """NIXL's own progress thread would busy-poll a core, and Mooncake's synchronous waits spin one: the planes
+    progress and poll only while a transfer runs."""
     proc, _ = owner
     _, channel = reader
     channel.read_blocks("k", "t", [0, 1], [0, 1])  # the agents have connected and moved bytes

@@ -20,7 +20,7 @@ def kv_config(role: str, plane: str, **extra) -> str:
                        "kv_connector_extra_config": {"data_plane": plane, **extra}})
 
 
-@pytest.fixture(scope="module", params=data_planes("shm", "tcp", "nixl"))
+@pytest.fixture(scope="module", params=data_planes("shm", "tcp", "nixl", "mooncake"))
 def cluster(request, models):
     model = models("qwen3")
     plane = request.param
@@ -62,6 +62,7 @@ def assert_same_answer(pd: dict, ref: dict) -> None:
 PROMPT_LENGTHS = {"one token": 1, "less than a block": 7, "exact blocks": 32, "several chunks": 100}
 
 
+@pytest.mark.core
 @pytest.mark.parametrize("length", PROMPT_LENGTHS.values(), ids=PROMPT_LENGTHS.keys())
 def test_pull_equals_colocated(client, cluster, length):
     body = {"model": "tiny", "prompt": list(range(11, 11 + length)), "max_tokens": 16, "temperature": 0,
@@ -119,6 +120,7 @@ def test_internal_ids_differ_between_p_and_d(client, cluster):
     assert d.headers["x-request-id"] == "same-id-42"
 
 
+@pytest.mark.core
 def test_32_concurrent_disaggregated_requests(client, cluster):
     bodies = [{"model": "tiny", "prompt": list(range(i, i + 5 + (i * 7) % 60)), "max_tokens": 6, "temperature": 0,
                "ignore_eos": True, "return_token_ids": True} for i in range(32)]

@@ -20,7 +20,7 @@ COMMON = ["--max-model-len", "512", "--num-kv-blocks", "192", "--served-model-na
           "--max-num-batched-tokens", "16"]
 
 
-@pytest.fixture(scope="module", params=data_planes("shm", "tcp", "nixl"))
+@pytest.fixture(scope="module", params=data_planes("shm", "tcp", "nixl", "mooncake"))
 def cluster(request, models, tmp_path_factory):
     model = models("qwen3")
     plane = request.param
@@ -68,6 +68,7 @@ def same_answer(a: dict, b: dict) -> None:
     assert max(diffs) < CROSS_PROCESS_LOGPROB_TOL
 
 
+@pytest.mark.core
 @pytest.mark.parametrize("length", [1, 7, 32, 100])
 def test_push_through_gateway_equals_colocated(cluster, length):
     body = {"prompt": list(range(50, 50 + length)), "max_tokens": 10, "logprobs": 1, "return_token_ids": True}
@@ -194,6 +195,7 @@ def test_registration_during_prefill(cluster):
         "prompt": prompt, "max_tokens": 8, "logprobs": 1, "return_token_ids": True}).json())
 
 
+@pytest.mark.core
 def test_32_concurrent_pushes(cluster):
     bodies = [{"prompt": list(range(i * 3, i * 3 + 5 + (i * 11) % 70)), "max_tokens": 6, "logprobs": 1,
                "return_token_ids": True} for i in range(32)]
@@ -223,6 +225,7 @@ def test_abort_before_registration_is_answered(cluster):
     assert time.monotonic() - started < 2.5  # freed on P's answer, before D's 3 s registration timeout
 
 
+@pytest.mark.core
 def test_abort_during_writes(cluster):
     """D's client leaves while P is still writing: D counts the push failed and releases it, and P frees at once.
 

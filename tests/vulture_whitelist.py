@@ -46,3 +46,7 @@ kv_layer
 attn_metadata
 transfer_stats_data
 engine_idx
+# Data planes over an optional engine: the registry (pdserve/kv_transfer/data_plane/__init__.py) looks their
+# classes up by name in OPTIONAL_PLANES, so only the engine's presence decides whether they load.
+NixlDataPlane
+MooncakeDataPlane

@@ -1,0 +1,102 @@
+"""Mooncake's TransferEngine between any two instances: the peer reads (pull) or writes (push) the pool owner's
+registered memory itself, after the owner granted it on tcp's listener (`one_sided.py`).
+
+Each instance runs one engine with no metadata server (peers find each other's segment by a direct handshake on
+the engine's RPC port, which rides in pdserve's own handshake) over Mooncake's TCP transport, and registers its
+pool with it once. A transfer is one asynchronous Mooncake batch per run of blocks, polled with a backoff until
+done or its deadline: the engine's synchronous calls spin a core while they wait and have only the engine's
+own timeout. Mooncake's TCP protocol acknowledges a write once it is applied at the owner, so a transfer that
+completed here is complete there and the owner need not take part. Like NIXL, the engine serves any peer that
+names a registered address; its listeners bind every interface, which is why the plane is chosen by name only.
+"""
+
+from __future__ import annotations
+
+import os
+
+# The engine logs every handshake and segment at INFO (and, over TCP, a missing RDMA device as a warning) on
+# stderr next to the instance's own log: errors only, unless the operator says otherwise. It reads the level
+# when its module loads.
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+from mooncake.engine import TransferEngine  # noqa: E402
+
+from pdserve.kv_transfer.data_plane.base import DataPlaneError  # noqa: E402
+from pdserve.kv_transfer.data_plane.one_sided import (EngineChannel, GrantingPlane, pause, pool_info,  # noqa: E402
+                                                      remote_pool)
+
+_DONE, _PENDING = 1, 0  # transfer_check_status: 1 done, 0 in flight, -1 failed, -2 timed out
+
+
+class MooncakeEngine:
+    """The instance's engine, shared by its channels (transfer threads, the push writer) and the plane; the
+    engine takes calls from many threads at once."""
+
+    def __init__(self, host: str) -> None:
+        self.engine = TransferEngine()
+        if self.engine.initialize(host, "P2PHANDSHAKE", "tcp", "") != 0:
+            raise DataPlaneError("the Mooncake transfer engine did not start")
+        self.session = f"{host}:{self.engine.get_rpc_port()}"
+
+    def register(self, addr: int, nbytes: int) -> None:
+        if self.engine.register_memory(addr, nbytes) != 0:
+            raise DataPlaneError("the Mooncake transfer engine did not register the KV pool")
+
+    def transfer(self, peer: str, op: str, runs: list[tuple[int, int, int]], deadline: float) -> None:
+        """One batch per run (a batch's status covers its first entry only), all polled until done or the
+        deadline. A failure still waits for the other batches: the engine frees a batch only once it ended."""
+        submit = self.engine.batch_transfer_async_read if op == "read" else self.engine.batch_transfer_async_write
+        pending, failed = [], 0
+        for local, remote, length in runs:
+            batch = submit(peer, [local], [remote], [length])
+            if batch == 0:  # nothing was submitted (the peer's segment could not be opened, say)
+                failed += 1
+                break
+            pending.append(batch)
+        attempt = 0
+        while pending:
+            if time.monotonic() > deadline:
+                raise DataPlaneError(f"mooncake {op} did not finish by its deadline")
+            time.sleep(pause(attempt))
+            attempt += 1
+            states = [(batch, self.engine.transfer_check_status(batch)) for batch in pending]
+            pending = [batch for batch, state in states if state == _PENDING]
+            failed += sum(state not in (_DONE, _PENDING) for _, state in states)
+        if failed:
+            raise DataPlaneError(f"mooncake {op} to {peer} failed")
+
+
+class MooncakeChannel(EngineChannel):
+    def __init__(self, engine: MooncakeEngine, session: str, *args: Any) -> None:
+        super().__init__(*args)
+        self.engine = engine
+        self.session = session
+
+    def move(self, op: str, runs: list[tuple[int, int, int]], deadline: float) -> None:
+        self.engine.transfer(self.session, op, runs, deadline)
+
+
+class MooncakeDataPlane(GrantingPlane):
+    name = "mooncake"
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        super().__init__(host, port)
+        self.engine: MooncakeEngine | None = None
+
+    def register(self, kv: torch.Tensor) -> None:
+        self.engine = MooncakeEngine(self.host)
+        self.engine.register(kv.data_ptr(), kv.numel() * kv.element_size())
+
+    def local_info(self) -> dict[str, Any]:
+        assert self.kv is not None and self.engine is not None
+        return {"host": self.host, "port": self.port, "session": self.engine.session, **pool_info(self.kv)}
+
+    def connect(self, info: dict[str, Any]) -> MooncakeChannel:
+        if self.kv is None or self.engine is None:
+            raise DataPlaneError("the local KV pool is not allocated")
+        return MooncakeChannel(self.engine, str(info["session"]), str(info["host"]), int(info["port"]),
+                               self.regions, self.pool, remote_pool(info, self.kv))
