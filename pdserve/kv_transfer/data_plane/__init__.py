@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 from pdserve.kv_transfer.data_plane.base import DataPlane, DataPlaneError, PeerChannel
+from pdserve.kv_transfer.data_plane.nixl import NixlDataPlane
+from pdserve.kv_transfer.data_plane.nixl_agent import NIXL_INSTALL_HINT
 from pdserve.kv_transfer.data_plane.shm import ShmDataPlane
 from pdserve.kv_transfer.data_plane.tcp import TcpDataPlane
-
-NIXL_INSTALL_HINT = "pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1"
 
 
 def _available() -> dict[str, type[DataPlane]]:
     planes: dict[str, type[DataPlane]] = {"shm": ShmDataPlane, "tcp": TcpDataPlane}
-    try:
-        from pdserve.kv_transfer.data_plane.nixl import NixlDataPlane
-    except ImportError:  # an optional dependency (the `nixl` extra)
-        return planes
-    planes["nixl"] = NixlDataPlane
+    if importlib.util.find_spec("nixl") is not None:  # an optional dependency (the `nixl` extra), loaded on use
+        planes["nixl"] = NixlDataPlane
     return planes
 
 
