@@ -31,6 +31,10 @@ _UNCLAIMED_NOTIFS = 4096
 # Polling backs off from a busy poll to this pause: short transfers finish in microseconds, long ones are not
 # slowed by a millisecond, and a stalled one does not spin a core until its deadline.
 _MAX_PAUSE_S = 0.001
+# How long a transfer still moving bytes at its deadline is waited out before its caller is told it failed.
+_DRAIN_S = 30.0
+
+log = logging.getLogger(__name__)
 
 
 class NixlUnavailable(DataPlaneError):
@@ -130,23 +134,35 @@ class NixlAgent:
         self._run(op, handle, deadline)
 
     def _run(self, op: str, handle: Any, deadline: float) -> None:
-        """Post the transfer and poll it until done or the deadline; its handle is released either way."""
+        """Post the transfer and poll it until done or the deadline; its handle is released either way.
+
+        A transfer still posted at its deadline is waited out (up to `_DRAIN_S` more) before the error is
+        raised: UCX does not cancel it when its handle is released, and its remaining bytes would land when this
+        agent next progresses, in memory the caller is about to give back (blocks D reuses after a failed push,
+        D's own blocks after a failed read)."""
         try:
             with self._lock, nixl_errors(op):
                 state = self.agent.transfer(handle)
-            attempt = 0
-            while state == "PROC":
-                if time.monotonic() > deadline:
-                    raise DataPlaneError(f"nixl {op} did not finish by its deadline")
-                time.sleep(pause(attempt))
-                attempt += 1
-                with self._lock, nixl_errors(op):
-                    state = self.agent.check_xfer_state(handle)
+            state = self._poll(op, handle, state, deadline)
+            if state == "PROC":
+                if self._poll(op, handle, state, time.monotonic() + _DRAIN_S) == "PROC":
+                    log.warning("a nixl %s past its deadline was still moving bytes %g s later", op, _DRAIN_S)
+                raise DataPlaneError(f"nixl {op} did not finish by its deadline")
             if state != "DONE":
                 raise DataPlaneError(f"nixl {op} failed ({state})")
         finally:
             with self._lock:
                 _release_quietly(handle)
+
+    def _poll(self, op: str, handle: Any, state: str, deadline: float) -> str:
+        """Poll a posted transfer until it leaves "PROC" or the deadline passes; the state it was last in."""
+        attempt = 0
+        while state == "PROC" and time.monotonic() <= deadline:
+            time.sleep(pause(attempt))
+            attempt += 1
+            with self._lock, nixl_errors(op):
+                state = self.agent.check_xfer_state(handle)
+        return state
 
     def notifications(self) -> list[bytes]:
         """Notifications that arrived since the last call and no waiter claimed (polling also progresses the
