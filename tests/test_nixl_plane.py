@@ -16,6 +16,8 @@ import torch
 from server_utils import data_planes
 
 from pdserve.kv_transfer.data_plane import DATA_PLANES, DataPlaneError, make_data_plane
+from pdserve.kv_transfer.data_plane.nixl_agent import memory_kind
+from pdserve.kv_transfer.data_plane.regions import BlockRegions
 
 pytestmark = pytest.mark.parametrize("plane", data_planes("nixl"))
 
@@ -184,3 +186,34 @@ def test_a_write_past_its_deadline_lands_nothing_after_the_call_returns(plane):
                          timeout=240, env={**os.environ, "PYTHONPATH": str(ROOT), "UCX_TLS": "tcp"}, check=True)
     at_return, later = (int(n) for n in out.stdout.split())
     assert later == at_return, f"{later - at_return} bytes landed after the failed write returned"
+
+
+def test_a_cache_with_a_tensor_per_layer_moves_per_block_and_layer(plane):
+    """vLLM's layout (one tensor per layer, each registered once): reads move every layer of the blocks named,
+    a layer write only that layer, byte for byte, between two planes in this process."""
+    if plane not in DATA_PLANES:
+        pytest.fail("NIXL is not installed")
+    theirs = [torch.arange(8 * 64, dtype=torch.float32).view(8, 2, 32) + 1000 * layer for layer in range(3)]
+    mine = [torch.zeros(6, 2, 32) for _ in range(3)]
+    owner, local = make_data_plane("nixl", "127.0.0.1"), make_data_plane("nixl", "127.0.0.1")
+    owner.attach_regions(BlockRegions.from_layers(theirs))
+    local.attach_regions(BlockRegions.from_layers(mine))
+    owner.start(lambda op, key, token, ids: None if token == "t" else "wrong transfer token")
+    try:
+        channel = local.connect(owner.local_info())
+        assert channel.read_blocks("k", "t", [7, 2], [0, 5]) == 2 * 3 * 64 * 4
+        assert all(torch.equal(m[0], t[7]) and torch.equal(m[5], t[2]) for m, t in zip(mine, theirs, strict=True))
+        mine[1][3].fill_(-1.0)
+        channel.write_blocks("k", "t", [3], [4], layer=1)
+        assert torch.equal(theirs[1][4], mine[1][3]) and not torch.equal(theirs[0][4], mine[0][3])
+        with pytest.raises(DataPlaneError, match="wrong transfer token"):
+            channel.read_blocks("k", "forged", [1], [1])
+        channel.close()
+    finally:
+        owner.stop()
+
+
+def test_cuda_memory_is_registered_as_vram_on_its_device(plane):
+    """The GPU path cannot run on this CPU-only host: only the choice of NIXL memory type is checked."""
+    assert memory_kind(torch.device("cuda", 1)) == ("VRAM", 1)
+    assert memory_kind(torch.device("cpu")) == ("DRAM", 0)

@@ -47,7 +47,10 @@ def pause(attempt: int) -> float:
 
 def memory_kind(device: torch.device) -> tuple[str, int]:
     """NIXL's memory type and device id for memory on `device`: a CUDA tensor is VRAM on its own GPU (the
-    device id tells UCX which one), anything else is host memory, device 0."""
+    device id tells UCX which one), anything else is host memory, device 0.
+
+    The VRAM branch has never run: no host here has a GPU, and the planes' BlockRegions are host byte views, so a
+    CUDA cache does not reach NIXL registration yet; only this choice is tested."""
     if device.type == "cuda":
         return "VRAM", device.index if device.index is not None else 0
     return "DRAM", 0
