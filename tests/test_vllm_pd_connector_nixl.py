@@ -13,11 +13,9 @@ from __future__ import annotations
 import pytest
 
 from conftest import random_prompt
-from pdserve.launcher import start
-from peers import reserved_port
 from server_utils import assert_same_answer, data_planes, wait_for
-from test_vllm_pd_connector import complete, external_tokens
-from vllm_live import pd_connector_config, ready, start_vllm, usage
+from test_vllm_pd_connector import complete, external_tokens, vllm_pair
+from vllm_live import usage
 
 pytestmark = [pytest.mark.vllm, pytest.mark.parametrize("plane", data_planes("nixl"))]
 
@@ -26,22 +24,9 @@ PROMPTS = [random_prompt(20, 61), random_prompt(300, 62)]
 
 @pytest.fixture(scope="module")
 def pair(models):
-    model = models("llama")
-    p = start_vllm(model, name="P", wait=False, kv_transfer_config=pd_connector_config(
-        "kv_producer", reserved_port(), data_plane="nixl"))
-    d_config = {**pd_connector_config("kv_consumer", reserved_port(), data_plane="nixl"),
-                "kv_load_failure_policy": "recompute"}
-    d = start_vllm(model, name="D", wait=False, kv_transfer_config=d_config)
-    try:
-        ready(p)
-        ready(d)
-        gateway = start("gateway", ["gateway", "--port", "0", "--log-level", "warning", "--prefill", p.url,
-                                    "--decode", d.url, "--protocol", "pull"])
+    nixl = {"data_plane": "nixl"}
+    with vllm_pair(models("llama"), nixl, nixl) as (p, d, gateway):
         yield {"P": p.url, "D": d.url, "gateway": gateway.url}
-        gateway.stop()
-    finally:
-        p.stop()
-        d.stop()
 
 
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["one-vllm-block", "three-vllm-blocks"])
