@@ -24,7 +24,7 @@ def data_planes(*names: str) -> list:
             return name
         missing = name not in DATA_PLANES and os.environ.get("CI") != "true"
         return pytest.param(name, marks=pytest.mark.skipif(
-            missing, reason=f"the {name} data plane's engine is not installed ({OPTIONAL_PLANES[name][2]})"))
+            missing, reason=f"the {name} data plane's engine is not installed ({OPTIONAL_PLANES[name][3]})"))
 
     return [param(name) for name in names]
 

@@ -16,6 +16,8 @@ import torch
 from server_utils import data_planes
 
 from pdserve.kv_transfer.data_plane import DATA_PLANES, DataPlaneError, make_data_plane
+from pdserve.kv_transfer.data_plane.nixl_agent import memory_kind
+from pdserve.kv_transfer.data_plane.regions import BlockRegions
 
 pytestmark = [pytest.mark.parametrize("plane", data_planes("nixl", "mooncake")), pytest.mark.core]
 
@@ -137,3 +139,82 @@ def test_an_idle_owner_uses_no_cpu(owner, reader):
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+# A WRITE of 256 MiB over UCX's TCP transport (which moves bytes only as the writer progresses), given a deadline
+# that has passed when it is posted; then another transfer progresses the writer's agent. Prints the bytes that
+# had landed when the first call returned, and the bytes landed after the second.
+ABANDONED_WRITE = """
+import threading, time, numpy as np, torch
+from pdserve.kv_transfer.data_plane import DataPlaneError
+from pdserve.kv_transfer.data_plane.nixl_agent import LOCAL, NixlAgent, descriptors
+cpu, size, runs = torch.device("cpu"), 256 << 20, 1024
+owner, writer = NixlAgent("owner"), NixlAgent("writer")
+dst, src = torch.zeros(size, dtype=torch.uint8), torch.full((size,), 7, dtype=torch.uint8)
+owner.register([(dst.data_ptr(), size)], cpu)
+writer.register([(src.data_ptr(), size)], cpu)
+remote = writer.add_peer(owner.metadata())
+owner.add_peer(writer.metadata())
+stop = threading.Event()
+def progress_owner():
+    while not stop.is_set():
+        owner.notifications()
+        time.sleep(0.001)
+threading.Thread(target=progress_owner, daemon=True).start()
+run = size // runs
+local = writer.prepare(LOCAL, descriptors(src.data_ptr() + np.arange(runs) * run, run, 0), cpu)
+far = writer.prepare(remote, descriptors(dst.data_ptr() + np.arange(runs) * run, run, 0), cpu)
+ids = np.arange(runs, dtype=np.int32)
+try:
+    writer.prepped_transfer("WRITE", local, ids, far, ids, b"late", time.monotonic())
+except DataPlaneError:
+    pass
+landed = int((dst[:-run] == 7).sum())  # the next write rewrites the last run
+writer.prepped_transfer("WRITE", local, ids[-1:], far, ids[-1:], b"next", time.monotonic() + 60)
+time.sleep(0.5)
+print(landed, int((dst[:-run] == 7).sum()), flush=True)
+stop.set()
+"""
+
+
+def test_a_write_past_its_deadline_lands_nothing_after_the_call_returns(plane):
+    """UCX does not cancel a posted transfer when its handle is released: a WRITE abandoned at its deadline went
+    on landing in D's blocks when P's agent next progressed (after D had been told the push failed, and could
+    reuse them). The call returns only once nothing of the transfer is still moving."""
+    if plane not in DATA_PLANES:
+        pytest.fail("NIXL is not installed")
+    out = subprocess.run([sys.executable, "-c", ABANDONED_WRITE], cwd=ROOT, capture_output=True, text=True,
+                         timeout=240, env={**os.environ, "PYTHONPATH": str(ROOT), "UCX_TLS": "tcp"}, check=True)
+    at_return, later = (int(n) for n in out.stdout.split())
+    assert later == at_return, f"{later - at_return} bytes landed after the failed write returned"
+
+
+def test_a_cache_with_a_tensor_per_layer_moves_per_block_and_layer(plane):
+    """vLLM's layout (one tensor per layer, each registered once): reads move every layer of the blocks named,
+    a layer write only that layer, byte for byte, between two planes in this process."""
+    if plane not in DATA_PLANES:
+        pytest.fail("NIXL is not installed")
+    theirs = [torch.arange(8 * 64, dtype=torch.float32).view(8, 2, 32) + 1000 * layer for layer in range(3)]
+    mine = [torch.zeros(6, 2, 32) for _ in range(3)]
+    owner, local = make_data_plane("nixl", "127.0.0.1"), make_data_plane("nixl", "127.0.0.1")
+    owner.attach_regions(BlockRegions.from_layers(theirs))
+    local.attach_regions(BlockRegions.from_layers(mine))
+    owner.start(lambda op, key, token, ids: None if token == "t" else "wrong transfer token")
+    try:
+        channel = local.connect(owner.local_info())
+        assert channel.read_blocks("k", "t", [7, 2], [0, 5]) == 2 * 3 * 64 * 4
+        assert all(torch.equal(m[0], t[7]) and torch.equal(m[5], t[2]) for m, t in zip(mine, theirs, strict=True))
+        mine[1][3].fill_(-1.0)
+        channel.write_blocks("k", "t", [3], [4], layer=1)
+        assert torch.equal(theirs[1][4], mine[1][3]) and not torch.equal(theirs[0][4], mine[0][3])
+        with pytest.raises(DataPlaneError, match="wrong transfer token"):
+            channel.read_blocks("k", "forged", [1], [1])
+        channel.close()
+    finally:
+        owner.stop()
+
+
+def test_cuda_memory_is_registered_as_vram_on_its_device(plane):
+    """The GPU path cannot run on this CPU-only host: only the choice of NIXL memory type is checked."""
+    assert memory_kind(torch.device("cuda", 1)) == ("VRAM", 1)
+    assert memory_kind(torch.device("cpu")) == ("DRAM", 0)

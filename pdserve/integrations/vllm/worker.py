@@ -20,15 +20,17 @@ import torch
 from pdserve.ids import ReqId
 from pdserve.integrations.vllm.settings import Settings
 from pdserve.kv_transfer.agent import TransferAgent
-from pdserve.kv_transfer.data_plane import make_data_plane
+from pdserve.kv_transfer.data_plane import DATA_PLANES, make_data_plane
 from pdserve.kv_transfer.data_plane.regions import BlockRegions
 from pdserve.kv_transfer.factory import agent_config, connector_halves, weight_fingerprint
 from pdserve.kv_transfer.layouts import vllm_cpu_layout
 from pdserve.kv_transfer.messages import PROTOCOL_VERSION
 from pdserve.kv_transfer.pd_connector import PdConnectorMetadata, PdConnectorWorker
 
-# Inside vLLM the cache is vLLM's memory, served over the plane that copies any layout's bytes.
-PLANES = ("tcp",)
+# Inside vLLM the cache is vLLM's memory (a tensor per layer), served over the planes that address any layout's
+# blocks per layer: tcp copies their bytes, NIXL registers each layer's tensor once. "auto" serves every
+# installed one.
+PLANES = ("tcp", "nixl")
 
 
 def model_fingerprint(model: str) -> str:
@@ -58,7 +60,8 @@ class VllmWorkerSide:
         if preferred not in ("auto", *PLANES):
             raise ValueError(f"inside vLLM PdConnector serves the {', '.join(PLANES)} data plane, not {preferred}")
         regions = BlockRegions.from_layers(list(kv_caches.values()))
-        planes = {name: make_data_plane(name, s.host) for name in PLANES}
+        names = [preferred] if preferred in PLANES else [name for name in PLANES if name in DATA_PLANES]
+        planes = {name: make_data_plane(name, s.host) for name in names}
         for plane in planes.values():
             plane.attach_regions(regions)
         config = agent_config(s.kv_cfg, s.extra, s.engine_id, vllm_compat_hash(s, vllm_version, kv_caches), planes)

@@ -17,12 +17,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
+import numpy as np
 import torch
 import zmq
 
+from pdserve.kv_transfer.data_plane.nixl_agent import NixlAgent, descriptors
+from pdserve.kv_transfer.data_plane.regions import DataPlaneError
 from pdserve.kv_transfer.peer_policy import PeerNotAllowed
 from pdserve.kv_transfer.runtime import AgentRuntime, LoadResult
-from pdserve.kv_transfer.vllm_nixl.endpoint import Descriptor, NixlEndpoint, NixlUnavailable
 from pdserve.kv_transfer.vllm_nixl.layout import covering_blocks, scatter_into_pool, staging_view
 from pdserve.kv_transfer.vllm_nixl.wire import (GET_META_MSG, AgentMetadata, HandshakePayload, ModelShape,
                                                 VersionRefused, identify_release, read_done)
@@ -34,7 +36,8 @@ log = logging.getLogger(__name__)
 
 # The only layout read here: vLLM-CPU's attention backend (GPU backends lay their caches out differently).
 CPU_BACKEND = "CPU_ATTN"
-_EXPECTED = (OSError, TimeoutError, ConnectionError, ValueError, zmq.ZMQError, msgspec.DecodeError, NixlUnavailable)
+_EXPECTED = (OSError, TimeoutError, ConnectionError, ValueError, zmq.ZMQError, msgspec.DecodeError, DataPlaneError)
+_HOST = torch.device("cpu")
 
 
 class HandshakeFailed(ConnectionError):
@@ -55,7 +58,9 @@ class VllmNixlConsumer:
         self.rt = rt
         self.shape = shape
         self.max_model_len = max_model_len
-        self.endpoint = NixlEndpoint(f"pdserve-{rt.config.engine_id}")
+        self.nixl = NixlAgent(f"pdserve-{rt.config.engine_id}")
+        self._staging: torch.Tensor | None = None  # one area, registered once (again only if it must grow)
+        self._registration = None
         self._peers: dict[tuple[str, int], VllmPeer] = {}
         self._read_lock = asyncio.Lock()  # one staging area: one read at a time
         self._peer_lock = asyncio.Lock()  # one handshake per peer, however many loads wait for it
@@ -86,7 +91,7 @@ class VllmNixlConsumer:
                 raise TimeoutError("the load's deadline passed while it waited for the staging area")
             try:
                 return await self.rt.off_loop(self._read, peer, job, deadline)
-            except (ConnectionError, TimeoutError):
+            except (ConnectionError, TimeoutError, DataPlaneError):
                 self._drop((job.host, job.port))
                 raise
 
@@ -96,14 +101,14 @@ class VllmNixlConsumer:
         if any(b >= meta.num_blocks for b in wanted.block_ids):
             raise ValueError("kv_transfer_params name blocks the vLLM instance does not have")
         block_len, count = meta.block_lens[0], len(wanted.block_ids)
-        staging = self._staging(meta)
-        remote: list[Descriptor] = []
-        local: list[Descriptor] = []
-        for layer, base in enumerate(meta.kv_caches_base_addr):
-            for i, block in enumerate(wanted.block_ids):
-                remote.append((base + block * meta.block_strides[layer], block_len, meta.device_id))
-                local.append((staging.data_ptr() + (layer * count + i) * block_len, block_len, 0))
-        self.endpoint.read(peer.agent, remote, local, read_done(job.key), deadline)
+        staging = self._staging_area(meta)
+        blocks = np.asarray(wanted.block_ids, dtype=np.int64)
+        remote = np.concatenate([base + blocks * meta.block_strides[layer]
+                                 for layer, base in enumerate(meta.kv_caches_base_addr)])
+        local = staging.data_ptr() + np.arange(len(remote), dtype=np.int64) * block_len  # layer-major, as remote
+        self.nixl.transfer("READ", descriptors(local, block_len, 0),
+                           descriptors(remote, block_len, meta.device_id), peer.agent, read_done(job.key),
+                           deadline, _HOST)
         scatter_into_pool(staging_view(staging, pool, count, meta.block_size), pool, list(job.local_block_ids),
                           wanted.skip, wanted.count)
         return len(remote) * block_len
@@ -112,15 +117,23 @@ class VllmNixlConsumer:
         """Deliver the read-done notification on a one-block read: a bare NIXL notification is not sent
         without a progress thread (or before a connection exists), a read is progressed here to completion."""
         meta = peer.meta
-        staging = self._staging(meta)
-        self.endpoint.read(peer.agent, [(meta.kv_caches_base_addr[0], meta.block_lens[0], meta.device_id)],
-                           [(staging.data_ptr(), meta.block_lens[0], 0)], read_done(key),
-                           time.monotonic() + self.rt.config.message_timeout_s)
+        staging = self._staging_area(meta)
+        self.nixl.transfer("READ", descriptors(np.array([staging.data_ptr()]), meta.block_lens[0], 0),
+                           descriptors(np.array([meta.kv_caches_base_addr[0]]), meta.block_lens[0], meta.device_id),
+                           peer.agent, read_done(key), time.monotonic() + self.rt.config.message_timeout_s, _HOST)
 
-    def _staging(self, meta: AgentMetadata) -> torch.Tensor:
-        """Room for every layer of the vLLM blocks one prompt can span (its tokens may straddle one more)."""
+    def _staging_area(self, meta: AgentMetadata) -> torch.Tensor:
+        """Room for every layer of the vLLM blocks one prompt can span (its tokens may straddle one more):
+        registered host memory, registered again only if a peer needs more."""
         blocks = -(-self.max_model_len // meta.block_size) + 1
-        return self.endpoint.staging(len(meta.kv_caches_base_addr) * blocks * meta.block_lens[0])
+        nbytes = len(meta.kv_caches_base_addr) * blocks * meta.block_lens[0]
+        if self._staging is None or self._staging.numel() < nbytes:
+            if self._registration is not None:
+                self.nixl.deregister(self._registration)
+                self._registration = None
+            self._staging = torch.empty(nbytes, dtype=torch.uint8)
+            self._registration = self.nixl.register([(self._staging.data_ptr(), nbytes)], _HOST)
+        return self._staging
 
     async def release(self, host: str, port: int, engine_id: str, key: str, handshake: bool = True) -> None:
         """Tell vLLM P it may free this request's blocks now (its lease is the backstop if this fails)."""
@@ -153,7 +166,7 @@ class VllmNixlConsumer:
                 raise HandshakeFailed(f"the vLLM instance at {host}:{port} is engine {meta.engine_id}, not "
                                       f"{engine_id} named by the transfer parameters")
             self._check_memory(meta)
-            agent = await self.rt.off_loop(self.endpoint.add_peer, meta.agent_metadata)
+            agent = await self.rt.off_loop(self.nixl.add_peer, meta.agent_metadata)
             peer = self._peers[address] = VllmPeer(meta.engine_id, agent, meta)
         return peer
 
@@ -208,6 +221,6 @@ class VllmNixlConsumer:
         peer = self._peers.pop(address, None)
         if peer is not None:
             try:
-                self.endpoint.forget(peer.agent)
+                self.nixl.remove_peer(peer.agent)
             except Exception as exc:  # noqa: BLE001 - a peer that cannot be forgotten is re-added on next use
                 log.warning("could not remove vLLM's NIXL agent %s: %s", peer.agent, exc)

@@ -20,9 +20,9 @@ import torch
 import zmq
 import zmq.asyncio
 
+from pdserve.kv_transfer.data_plane.nixl_agent import NixlAgent
 from pdserve.kv_transfer.pull_producer import PullProducer
 from pdserve.kv_transfer.vllm_nixl.consumer import CPU_BACKEND
-from pdserve.kv_transfer.vllm_nixl.endpoint import NixlEndpoint
 from pdserve.kv_transfer.vllm_nixl.layout import gather_into_mirror
 from pdserve.kv_transfer.vllm_nixl.wire import GET_META_MSG, AgentMetadata, ModelShape, handshake_frames
 
@@ -61,7 +61,7 @@ class VllmNixlProducer:
         self.shape = shape
         self.config = config
         self.leases = leases
-        self.endpoint = NixlEndpoint(f"pdserve-{engine_id}-vllm-prefill")
+        self.nixl = NixlAgent(f"pdserve-{engine_id}-vllm-prefill")
         self.mirror: torch.Tensor | None = None
         self.port = 0
         self.refused = 0  # side-channel requests that were not vLLM's handshake
@@ -74,11 +74,12 @@ class VllmNixlProducer:
         _, layers, _, heads, _, head_dim = pool.shape
         size = 2 * self.config.block_size * head_dim
         self.mirror = torch.zeros(layers, self.config.num_blocks, heads, size, dtype=pool.dtype)
-        self.endpoint.register(self.mirror)
+        self.nixl.register([(self.mirror.data_ptr(), self.mirror.numel() * self.mirror.element_size())],
+                           self.mirror.device)
         block_len = heads * size * pool.element_size()
         base = self.mirror.data_ptr()
         meta = AgentMetadata(
-            engine_id=self.engine_id, agent_metadata=self.endpoint.metadata(),
+            engine_id=self.engine_id, agent_metadata=self.nixl.metadata(),
             kv_caches_base_addr=[base + layer * self.config.num_blocks * block_len for layer in range(layers)],
             device_id=0, num_blocks=self.config.num_blocks, block_lens=[block_len] * layers,
             block_strides=[block_len] * layers, kv_cache_layout="LBHNC", block_size=self.config.block_size,
@@ -132,7 +133,7 @@ class VllmNixlProducer:
             await asyncio.sleep(_BUSY_POLL_S if self.leases.num_leases() else _IDLE_POLL_S)
             if self.mirror is None:
                 continue
-            for raw in self.endpoint.notifications():
+            for raw in self.nixl.notifications():
                 self._on_notification(raw.decode(errors="replace"))
 
     def _on_notification(self, text: str) -> None:
