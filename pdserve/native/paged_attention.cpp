@@ -43,13 +43,14 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-// A row of head_dim values as fp32: fp32 rows are read where they are, bf16 rows are widened into `tile`.
-inline const float* row_f32(const float* src, float*, int64_t) { return src; }
+// One block's n rows of head_dim values as fp32: fp32 blocks are read where they are (a block's rows are dense),
+// bf16 blocks are widened into `tile`, which stays in L1.
+inline const float* tile_f32(const float* src, float*, int64_t) { return src; }
 
-inline const float* row_f32(const c10::BFloat16* src, float* tile, int64_t n) {
+inline const float* tile_f32(const c10::BFloat16* src, float* tile, int64_t count) {
   const uint16_t* raw = reinterpret_cast<const uint16_t*>(src);
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
+  for (int64_t i = 0; i < count; ++i) {
     uint32_t bits = static_cast<uint32_t>(raw[i]) << 16;
     std::memcpy(&tile[i], &bits, sizeof(float));
   }
@@ -62,25 +63,31 @@ struct Shape {
   float scale;
 };
 
-// Per-thread scratch: the group's queries, running max / sum / output, one block's scores and a widened row.
+// Per-thread scratch: the group's queries, running max / sum / output, one block's scores and a widened tile.
 struct Scratch {
-  std::vector<float> q, m, l, acc, scores, row;
+  std::vector<float> q, m, l, acc, scores, tile;
   explicit Scratch(const Shape& s)
       : q(s.group * s.head_dim), m(s.group), l(s.group), acc(s.group * s.head_dim),
-        scores(s.group * s.block_size), row(s.head_dim) {}
+        scores(s.group * s.block_size), tile(s.block_size * s.head_dim) {}
 };
 
-template <typename T>
+// HD is head_dim when known at compile time (the common sizes), so the loops over it unroll into registers and
+// a query row or an output row stays in registers across a block; 0 reads it from the shape.
+template <int HD>
+inline int64_t head_dim_of(const Shape& s) { return HD > 0 ? HD : s.head_dim; }
+
+template <int HD, typename T>
 void score_block(const Shape& s, const T* keys, int64_t n, Scratch& w) {
-  const int64_t D = s.head_dim;
-  for (int64_t t = 0; t < n; ++t) {
-    const float* k = row_f32(keys + t * s.token_stride, w.row.data(), D);
-    for (int64_t g = 0; g < s.group; ++g) {
-      const float* q = w.q.data() + g * D;
+  const int64_t D = head_dim_of<HD>(s);
+  const float* k = tile_f32(keys, w.tile.data(), n * D);
+  for (int64_t g = 0; g < s.group; ++g) {
+    const float* q = w.q.data() + g * D;
+    float* sc = w.scores.data() + g * s.block_size;
+    for (int64_t t = 0; t < n; ++t) {
       float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < D; ++d) dot += q[d] * k[d];
-      w.scores[g * s.block_size + t] = dot;
+      for (int64_t d = 0; d < D; ++d) dot += q[d] * k[t * D + d];
+      sc[t] = dot;
     }
   }
 }
@@ -109,25 +116,25 @@ void softmax_block(const Shape& s, int64_t n, Scratch& w) {
   }
 }
 
-template <typename T>
+template <int HD, typename T>
 void accumulate_block(const Shape& s, const T* values, int64_t n, Scratch& w) {
-  const int64_t D = s.head_dim;
-  for (int64_t t = 0; t < n; ++t) {
-    const float* v = row_f32(values + t * s.token_stride, w.row.data(), D);
-    for (int64_t g = 0; g < s.group; ++g) {
-      const float p = w.scores[g * s.block_size + t];
-      float* acc = w.acc.data() + g * D;
+  const int64_t D = head_dim_of<HD>(s);
+  const float* v = tile_f32(values, w.tile.data(), n * D);
+  for (int64_t g = 0; g < s.group; ++g) {
+    const float* p = w.scores.data() + g * s.block_size;
+    float* acc = w.acc.data() + g * D;
+    for (int64_t t = 0; t < n; ++t) {
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) acc[d] += p * v[d];
+      for (int64_t d = 0; d < D; ++d) acc[d] += p[t] * v[t * D + d];
     }
   }
 }
 
 // One sequence and one kv head: its query group against the sequence's `length` keys, block by block.
-template <typename T>
+template <int HD, typename T>
 void attend(const Shape& s, const T* q, const T* cache, const int64_t* table, int64_t length, T* out,
             Scratch& w) {
-  const int64_t D = s.head_dim;
+  const int64_t D = head_dim_of<HD>(s);
   for (int64_t i = 0; i < s.group * D; ++i) w.q[i] = static_cast<float>(q[i]) * s.scale;
   std::fill(w.m.begin(), w.m.end(), -std::numeric_limits<float>::infinity());
   std::fill(w.l.begin(), w.l.end(), 0.0f);
@@ -135,9 +142,9 @@ void attend(const Shape& s, const T* q, const T* cache, const int64_t* table, in
   for (int64_t b = 0; b * s.block_size < length; ++b) {
     const int64_t n = std::min(s.block_size, length - b * s.block_size);
     const T* keys = cache + table[b] * s.block_stride;
-    score_block(s, keys, n, w);
+    score_block<HD>(s, keys, n, w);
     softmax_block(s, n, w);
-    accumulate_block(s, keys + s.kv_stride, n, w);
+    accumulate_block<HD>(s, keys + s.kv_stride, n, w);
   }
   for (int64_t g = 0; g < s.group; ++g) {
     const float inv = w.l[g] > 0.0f ? 1.0f / w.l[g] : 0.0f;  // length 0: zeros, not NaN
@@ -145,7 +152,7 @@ void attend(const Shape& s, const T* q, const T* cache, const int64_t* table, in
   }
 }
 
-template <typename T>
+template <int HD, typename T>
 void run(const Shape& s, const at::Tensor& q, const at::Tensor& cache, const at::Tensor& table,
          const at::Tensor& lengths, at::Tensor& out) {
   const T* qp = q.data_ptr<T>();
@@ -158,9 +165,19 @@ void run(const Shape& s, const at::Tensor& q, const at::Tensor& cache, const at:
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / s.kv_heads, h = item % s.kv_heads;
       const int64_t offset = (seq * s.heads + h * s.group) * s.head_dim;
-      attend(s, qp + offset, cp + h * s.head_stride, tp + seq * s.max_blocks, lp[seq], op + offset, w);
+      attend<HD>(s, qp + offset, cp + h * s.head_stride, tp + seq * s.max_blocks, lp[seq], op + offset, w);
     }
   });
+}
+
+template <typename T>
+void dispatch_head_dim(const Shape& s, const at::Tensor& q, const at::Tensor& cache, const at::Tensor& table,
+                       const at::Tensor& lengths, at::Tensor& out) {
+  switch (s.head_dim) {
+    case 64: return run<64, T>(s, q, cache, table, lengths, out);
+    case 128: return run<128, T>(s, q, cache, table, lengths, out);
+    default: return run<0, T>(s, q, cache, table, lengths, out);
+  }
 }
 
 at::Tensor paged_decode(const at::Tensor& q_in, const at::Tensor& cache, const at::Tensor& table_in,
@@ -183,11 +200,11 @@ at::Tensor paged_decode(const at::Tensor& q_in, const at::Tensor& cache, const a
   at::Tensor out = at::empty_like(q);
   const Shape s{q.size(1), kvh, q.size(1) / kvh, bs, D, table.size(1),
                 cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3), static_cast<float>(scale)};
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "paged_decode: fp32 or bf16 only");
   if (q.scalar_type() == at::kFloat) {
-    run<float>(s, q, cache, table, lengths, out);
+    dispatch_head_dim<float>(s, q, cache, table, lengths, out);
   } else {
-    TORCH_CHECK(q.scalar_type() == at::kBFloat16, "paged_decode: fp32 or bf16 only");
-    run<c10::BFloat16>(s, q, cache, table, lengths, out);
+    dispatch_head_dim<c10::BFloat16>(s, q, cache, table, lengths, out);
   }
   return out;
 }
