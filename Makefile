@@ -18,9 +18,10 @@ $(STAMP): pyproject.toml requirements/constraints.txt
 install: $(STAMP) native
 
 # The C++ decode attention, compiled once into a per-machine cache (~10 s cold, nothing when cached). Servers only
-# load it; without it they fall back to the plain-torch path. `make test` builds it so its tests run it.
+# load it; without it (no compiler) they fall back to the plain-torch path, and tests/test_native_attention.py
+# fails in CI.
 native: $(STAMP)
-	$(PY) -m pdserve.native
+	-$(PY) -m pdserve.native
 
 demo: install
 	$(PY) scripts/demo.py
