@@ -33,7 +33,9 @@ def pair(models, tmp_path_factory):
     capture = tmp_path_factory.mktemp("capture") / "p.msgs"
     p = start_vllm(model, name="P", wait=False, kv_transfer_config=pd_connector_config(
         "kv_producer", reserved_port(), capture_messages=str(capture)))
-    d_config = {**pd_connector_config("kv_consumer", reserved_port()), "kv_load_failure_policy": "recompute"}
+    # tcp pinned (auto would pick shm between two instances on one host; test_vllm_pd_faults.py covers shm).
+    d_config = {**pd_connector_config("kv_consumer", reserved_port(), data_plane="tcp"),
+                "kv_load_failure_policy": "recompute"}
     d = start_vllm(model, name="D", wait=False, kv_transfer_config=d_config)
     try:
         ready(p)
