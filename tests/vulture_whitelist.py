@@ -46,3 +46,11 @@ kv_layer
 attn_metadata
 transfer_stats_data
 engine_idx
+# vLLM's connector stats interface (pdserve/integrations/vllm/connector.py, stats.py): vLLM's model runner asks
+# the worker for stats each step, its scheduler and loggers rebuild, merge, summarise and reset them.
+build_kv_connector_stats
+get_kv_connector_stats
+reset
+aggregate
+reduce
+is_empty
