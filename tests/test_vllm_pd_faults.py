@@ -22,11 +22,9 @@ import pytest
 
 from conftest import random_prompt
 from pdserve.kv_transfer.metrics import TRANSFER_METRICS
-from pdserve.launcher import start
-from peers import reserved_port
 from server_utils import assert_same_answer, metric_values, wait_for
 from test_vllm_pd_connector import complete, external_tokens, prefill_held
-from vllm_live import pd_connector_config, ready, start_vllm, usage
+from vllm_live import pd_connector_pull, usage
 
 pytestmark = pytest.mark.vllm
 
@@ -37,23 +35,11 @@ HELD_GAUGES = ("pdserve:kv_leases_held", "pdserve:kv_transfer_map_size", "pdserv
 
 @pytest.fixture(scope="module")
 def pair(models, tmp_path_factory):
-    model = models("llama")
     capture = tmp_path_factory.mktemp("capture") / "d.msgs"
-    p = start_vllm(model, name="P", wait=False, kv_transfer_config=pd_connector_config("kv_producer", reserved_port()))
-    d_config = {**pd_connector_config("kv_consumer", reserved_port(), data_plane="shm", capture_messages=str(capture),
-                                      fault_injection={"read_delay_s": READ_DELAY_S}),
-                "kv_load_failure_policy": "recompute"}
-    d = start_vllm(model, name="D", wait=False, kv_transfer_config=d_config)
-    try:
-        ready(p)
-        ready(d)
-        gateway = start("gateway", ["gateway", "--port", "0", "--log-level", "warning", "--prefill", p.url,
-                                    "--decode", d.url, "--protocol", "pull"])
+    consumer = {"data_plane": "shm", "capture_messages": str(capture),
+                "fault_injection": {"read_delay_s": READ_DELAY_S}}
+    with pd_connector_pull(models("llama"), {}, consumer) as (p, d, gateway):
         yield {"P": p.url, "D": d.url, "gateway": gateway.url, "capture": capture, "P_process": p, "D_process": d}
-        gateway.stop()
-    finally:
-        p.stop()
-        d.stop()
 
 
 def metric(url: str, name: str) -> float:
