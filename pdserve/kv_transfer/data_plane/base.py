@@ -47,6 +47,8 @@ class PeerChannel(ABC):
 
 class DataPlane(ABC):
     name: str = ""
+    # Whether its channels implement `read_into` (reads of another engine's layout, staged to be regrouped).
+    stages_reads: bool = False
 
     def __init__(self, host: str = "127.0.0.1") -> None:
         self.host = host
