@@ -11,6 +11,8 @@ Two vLLM instances for the module (P also serves as the colocated oracle); one g
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import pytest
 
@@ -31,9 +33,12 @@ CHAT = {"model": SERVED_NAME, "max_tokens": 6, "temperature": 0, "ignore_eos": T
 
 
 @pytest.fixture(scope="module")
-def pair(models):
+def pair(models, tmp_path_factory):
     model = models("llama")
-    p = start_vllm(model, name="P", wait=False, kv_transfer_config=pd_connector_config("kv_both", reserved_port()))
+    capture = tmp_path_factory.mktemp("capture") / "p.msgs"
+    side_channel = reserved_port()
+    p = start_vllm(model, name="P", wait=False, kv_transfer_config=pd_connector_config(
+        "kv_both", side_channel, capture_messages=str(capture)))
     d = start_vllm(model, name="D", wait=False, kv_transfer_config=pd_connector_config("kv_both", reserved_port()))
     gateways = []
     try:
@@ -42,7 +47,7 @@ def pair(models):
         for protocol in PROTOCOLS:
             gateways.append(start("gateway", ["gateway", "--port", "0", "--log-level", "warning", "--prefill", p.url,
                                               "--decode", d.url, "--protocol", protocol]))
-        yield {"P": p.url, "D": d.url, **{protocol: g.url for protocol, g in zip(PROTOCOLS, gateways)}}
+        yield {"P": p.url, "D": d.url, "capture": capture, "side_channel": side_channel, **{protocol: g.url for protocol, g in zip(PROTOCOLS, gateways)}}
     finally:
         for g in gateways:
             g.stop()
@@ -102,4 +107,25 @@ def test_streamed_chat_equals_colocated(pair, protocol):
     assert got["tokens"] == expected["tokens"] and len(got["tokens"]) == CHAT["max_tokens"]
     assert all(abs(a - b) <= CROSS_PROCESS_LOGPROB_TOL for a, b in zip(got["logprobs"], expected["logprobs"],
                                                                        strict=True))
+    idle(pair)
+
+
+def test_decode_registered_before_the_prefill_gets_each_layer_as_it_is_computed(pair):
+    """D's blocks are registered with P before P sees the prompt (the gateway's legs raced the other way), so P
+    writes every layer of the prompt into them as its forward computes it: no catch-up copy covers anything."""
+    prompt = random_prompt(200, 64)
+    push = {"transfer_id": "layer-by-layer", "transfer_mode": "push", "do_remote_decode": False}
+    d_params = {**push, "do_remote_prefill": True, "remote_engine_id": "P", "remote_host": "127.0.0.1",
+                "remote_port": pair["side_channel"]}
+    before = external_tokens(pair["D"])
+    with ThreadPoolExecutor(1) as pool:
+        decode_leg = pool.submit(complete, pair["D"], prompt, kv_transfer_params=d_params)
+        wait_for(lambda: "layer-by-layer" in pair["capture"].read_text(errors="replace"), timeout=60,
+                 what="D's registration to reach P")
+        held = complete(pair["P"], prompt, max_tokens=1, kv_transfer_params={**push, "do_remote_decode": True})
+        assert held.json()["kv_transfer_params"]["transfer_mode"] == "push"
+        response = decode_leg.result(timeout=120)
+    assert response.status_code == 200, response.text
+    assert external_tokens(pair["D"]) - before >= len(prompt) - 1
+    assert_same_answer(response.json(), complete(pair["P"], prompt).json())
     idle(pair)
