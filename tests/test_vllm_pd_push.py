@@ -19,7 +19,7 @@ import pytest
 from conftest import random_prompt
 from pdserve.launcher import start
 from peers import reserved_port
-from server_utils import CROSS_PROCESS_LOGPROB_TOL, assert_same_answer, sse_events, wait_for
+from server_utils import CROSS_PROCESS_LOGPROB_TOL, assert_same_answer, metric_values, sse_events, wait_for
 from test_vllm_pd_connector import complete, external_tokens
 from vllm_live import SERVED_NAME, pd_connector_config, ready, start_vllm, usage
 
@@ -29,6 +29,8 @@ PROTOCOLS = ("push", "decode-first")
 # Prompt lengths inside one vLLM block (128 tokens on CPU) and spanning three; each test its own prompt, since D's
 # prefix cache would otherwise hold what an earlier test transferred.
 LENGTHS = (20, 300)
+# What PdConnector holds for transfers in flight, reported on vLLM's /metrics under a pdserve instance's names.
+HELD = {"pdserve:kv_leases_held": 0.0, "pdserve:kv_push_expected": 0.0, "pdserve:kv_transfer_map_size": 0.0}
 CHAT = {"model": SERVED_NAME, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": True, "top_logprobs": 2}
 
 
@@ -56,9 +58,12 @@ def pair(models, tmp_path_factory):
 
 
 def idle(pair) -> None:
-    """Nothing held anywhere: P's blocks went back at D's write-done (push) or read (decode-first)."""
-    wait_for(lambda: usage(pair["D"]) == 0.0, timeout=30, what="vLLM D's KV cache to be idle")
-    wait_for(lambda: usage(pair["P"]) == 0.0, timeout=30, what="vLLM P's KV cache to be idle")
+    """Nothing held anywhere: P's blocks went back at D's write-done (push) or read (decode-first), and neither
+    connector holds a lease, a registration or a transfer id."""
+    for name in ("D", "P"):
+        wait_for(lambda: usage(pair[name]) == 0.0, timeout=30, what=f"vLLM {name}'s KV cache to be idle")
+        wait_for(lambda: {k: v for k, v in metric_values(pair[name]).items() if k in HELD} == HELD, timeout=30,
+                 what=f"vLLM {name}'s PdConnector to hold nothing")
 
 
 def streamed_chat(url: str, topic: str) -> dict:

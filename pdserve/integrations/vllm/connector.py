@@ -16,7 +16,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                KVConnectorRole, KVConnectorTransferResults,
                                                                SupportsHMA)
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from pdserve.integrations.vllm.info import make_prom_metrics
 from pdserve.integrations.vllm.scheduler import VllmSchedulerSide
@@ -35,6 +35,22 @@ class PdStepMetadata(KVConnectorMetadata):
         self.plan = plan
 
 
+class PdConnectorStats(KVConnectorStats):
+    """What the worker holds for transfers in flight (gauges: the latest report stands, nothing accumulates)."""
+
+    def reset(self) -> None:
+        """Gauges are replaced by the next report, never reset."""
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        return other
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())  # vLLM's log line only while something is held
+
+
 class PdConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -47,6 +63,10 @@ class PdConnector(KVConnectorBase_V1, SupportsHMA):
                            per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics:
         return make_prom_metrics(KVConnectorPromMetrics, vllm_config, metric_types, labelnames,
                                  per_engine_labelvalues)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return PdConnectorStats(data=dict(data or {}))
 
     # == scheduler side ===================================================================================
     def on_new_request(self, request: Any) -> None:
@@ -123,6 +143,9 @@ class PdConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
         return results.finished_sending, results.finished_recving
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return PdConnectorStats(data=self._worker.held()) if self._worker is not None else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.load_errors() if self._worker is not None else set()

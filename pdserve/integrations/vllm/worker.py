@@ -93,6 +93,13 @@ class VllmWorkerSide:
         failed = self.half.get_failed_recving() | set(self.half.get_refused_recving())
         return set(sending), set(recving), set(failed)
 
+    def held(self) -> dict[str, int]:
+        """What is held for transfers in flight (HELD_GAUGES): all zero when the instance is idle."""
+        if self.agent is None or self.half is None:
+            return {}
+        return {"pdserve:kv_leases_held": self.agent.num_leases(), "pdserve:kv_push_expected": self.agent.num_expected(),
+                "pdserve:kv_transfer_map_size": len(self.half.translator)}
+
     def load_errors(self) -> set[int]:
         return self.half.get_block_ids_with_load_errors() if self.half is not None else set()
 
