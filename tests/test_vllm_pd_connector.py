@@ -55,7 +55,7 @@ def test_gateway_learns_pd_connector_from_vllm_metrics(pair):
     text = httpx.get(f"{pair['gateway']}/metrics", timeout=10).text
     lines = [line for line in text.splitlines() if line.startswith("pdserve:gateway_instance_info{")]
     assert len(lines) == 2 and all('kv_connector="PdConnector"' in line and 'engine="vllm"' in line
-                                   and 'protocols="pull"' in line for line in lines), lines
+                                   and 'protocols="decode-first,pull,push"' in line for line in lines), lines
 
 
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["one-vllm-block", "three-vllm-blocks"])

@@ -36,8 +36,15 @@ pdserve_info
 kv_cache_layout
 ssm_sizes
 # vLLM's KV connector interface (pdserve/integrations/vllm/connector.py, info.py): vLLM calls these methods, with
-# these argument names, on PdConnector; the ones pull does not need are accepted and ignored.
+# these argument names, on PdConnector; the ones a protocol does not need are accepted and ignored. Its stats
+# class's methods are vLLM's too (vLLM's stats logger aggregates, reduces and empties them).
 build_prom_metrics
+build_kv_connector_stats
+get_kv_connector_stats
+aggregate
+reduce
+is_empty
+reset
 request_finished_all_groups
 has_pending_push_work
 forward_context

@@ -68,7 +68,7 @@ class PdConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        return PdStepMetadata(self._scheduler.build_connector_meta())
+        return PdStepMetadata(self._scheduler.build_connector_meta(scheduler_output))
 
     def update_connector_output(self, connector_output: Any) -> None:
         assert self._scheduler is not None
@@ -105,17 +105,18 @@ class PdConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.clear()
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        if self._worker is not None:
-            self._worker.start_load_kv()
+        """Started when the step's metadata was bound, before the forward (see VllmWorkerSide)."""
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads are asynchronous (whole prompts, between steps): nothing waits per layer."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        """Pull reads P's held blocks after the prefill: nothing is saved per layer."""
+        if self._worker is not None:
+            self._worker.save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
-        """Nothing is saved per step in pull."""
+        if self._worker is not None:
+            self._worker.wait_for_save()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self._worker is None:
@@ -138,3 +139,5 @@ class PdConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()

@@ -12,8 +12,7 @@ from typing import Any
 
 from pdserve.engine.request import RequestStatus
 from pdserve.ids import ReqId
-from pdserve.kv_transfer.params import (DecodeFirst, ForeignPrefill, KVParamsError, KVTransferParams, RemoteDecode,
-                                        parse_kv_params)
+from pdserve.kv_transfer.params import ForeignPrefill, KVParamsError, KVTransferParams, parse_kv_params
 
 log = logging.getLogger(__name__)
 
@@ -22,18 +21,15 @@ def parse_vllm_params(raw: Any, max_blocks: int) -> KVTransferParams | None:
     """A request's `kv_transfer_params` as this connector serves them inside vLLM; None: an ordinary request.
 
     vLLM offers no way to refuse a request from a connector, so parameters this connector cannot serve are
-    dropped with a warning and the request is computed here, which is always correct: malformed ones, another
-    engine's (vLLM NIXL's), decode-first and push (this connector serves pull inside vLLM).
+    dropped with a warning and the request is computed here, which is always correct: malformed ones, and another
+    engine's (vLLM NIXL's, which this connector does not load inside vLLM).
     """
     try:
         parsed = parse_kv_params(raw, max_blocks)
     except KVParamsError as exc:
         log.warning("kv_transfer_params ignored, the prompt is computed here: %s", exc)
         return None
-    unsupported = (isinstance(parsed, (ForeignPrefill, DecodeFirst))
-                   or (isinstance(parsed, RemoteDecode) and parsed.push)
-                   or (parsed is not None and getattr(parsed, "mode", "pull") != "pull"))
-    if unsupported:
+    if isinstance(parsed, ForeignPrefill):
         log.warning("kv_transfer_params of a kind PdConnector does not serve inside vLLM (%s): the prompt is "
                     "computed here", type(parsed).__name__)
         return None

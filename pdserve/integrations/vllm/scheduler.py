@@ -1,8 +1,10 @@
 """The scheduler side of PdConnector inside vLLM: vLLM's calls onto pdserve's `PdConnectorScheduler`.
 
 What vLLM's scheduler lacks is bridged here and only here: request views (vLLM's requests under pdserve's
-names), refusing a transfer by computing the prompt locally (vLLM cannot end a request from a connector), and
-keeping vLLM's engine stepping while P holds KV, since held blocks go back to vLLM only at a step.
+names), the step's schedule in pdserve's shape (push plans its writes from it), decode-first's ask of P while
+vLLM keeps the request waiting, refusing a transfer by computing the prompt locally (vLLM cannot end a request
+from a connector), and keeping vLLM's engine stepping while P holds KV, since held blocks go back to vLLM only at
+a step.
 """
 
 from __future__ import annotations
@@ -10,12 +12,15 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from pdserve.engine.outputs import KVConnectorOutput, SchedulerOutput
+from pdserve.engine.outputs import KVConnectorOutput
 from pdserve.ids import ReqId
+from pdserve.integrations.vllm.decode_first import DecodeFirstAsks
 from pdserve.integrations.vllm.requests import RequestView, parse_vllm_params
+from pdserve.integrations.vllm.schedule import PushSchedule
 from pdserve.integrations.vllm.settings import Settings
+from pdserve.kv_transfer.params import DecodeFirst, RemoteDecode
 from pdserve.kv_transfer.pd_connector import PdConnectorMetadata, PdConnectorScheduler, ProducerIdentity
-from pdserve.kv_transfer.params import RemotePrefill
+from pdserve.kv_transfer.peer_policy import PeerPolicy
 
 log = logging.getLogger(__name__)
 
@@ -27,12 +32,28 @@ class VllmSchedulerSide:
             settings.extra.get("kv_load_timeout", 60.0)), load_failure_policy=settings.policy)
         self.half.identity = ProducerIdentity(settings.engine_id, settings.host, settings.port)
         self._views: dict[str, RequestView] = {}
-        self._held: set[str] = set()  # P: finished requests whose blocks wait for D's read or a release
+        self._held: set[str] = set()  # P: finished requests whose blocks wait for D's read or push, or a release
+        self._schedule = PushSchedule()
+        self._asks = DecodeFirstAsks(PeerPolicy.from_config(settings.extra.get("allowed_peers")), settings.max_blocks)
+        self._abandoned: dict[str, RequestView] = {}  # D: ended while P was asked; P's answer must be freed
 
     def on_new_request(self, request: Any) -> None:
-        view = RequestView(request, parse_vllm_params(request.kv_transfer_params, self.settings.max_blocks))
-        self._views[request.request_id] = view
+        params = parse_vllm_params(request.kv_transfer_params, self.settings.max_blocks)
+        view = self._views[request.request_id] = RequestView(request, params)
+        if isinstance(params, DecodeFirst):
+            # The half sees the request once P has answered, as the pull it then is (or an ordinary request).
+            view.kv_transfer_params = None
+            self._asks.ask(request.request_id, params, list(view.prompt_token_ids))
+            return
         self.half.on_new_request(view)
+
+    def _answered(self, view: RequestView) -> bool:
+        """Decode-first: whether P has answered (or failed to); its answer becomes the request's params."""
+        answered, params = self._asks.take(view.request_id)
+        if answered and params is not None:
+            view.kv_transfer_params = params
+            self.half.on_new_request(view)
+        return answered
 
     def _view(self, request: Any) -> RequestView:
         view = self._views.get(request.request_id)
@@ -42,6 +63,8 @@ class VllmSchedulerSide:
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         view = self._view(request)
+        if self._asks.pending(view.request_id) and not self._answered(view):
+            return None, False  # vLLM asks again at its next step and schedules others meanwhile
         matched = self.half.get_num_new_matched_tokens(view, num_computed_tokens)
         errors = self.half.take_request_errors()
         if view.request_id in errors:
@@ -54,9 +77,21 @@ class VllmSchedulerSide:
     def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
         self.half.update_state_after_alloc(self._view(request), block_ids, num_external_tokens)
 
-    def build_connector_meta(self) -> PdConnectorMetadata:
-        # Pull needs nothing from the step's schedule (push would: what each step computed).
-        return self.half.build_connector_meta(SchedulerOutput())
+    def build_connector_meta(self, scheduler_output: Any) -> PdConnectorMetadata:
+        self._free_abandoned()
+        return self.half.build_connector_meta(self._schedule.scheduler_output(scheduler_output, self._pushed_prompt))
+
+    def _pushed_prompt(self, request_id: str) -> list[int] | None:
+        view = self._views.get(request_id)
+        params = view.kv_transfer_params if view is not None else None
+        return view.prompt_token_ids if isinstance(params, RemoteDecode) and params.push else None
+
+    def _free_abandoned(self) -> None:
+        """P answered a request that ended meanwhile: as a pull never planned, the half tells P to free it."""
+        for rid in self._asks.answered():
+            view = self._abandoned.pop(rid, None)
+            if view is not None and self._answered(view) and view.kv_transfer_params is not None:
+                self.half.request_finished(view, [])
 
     def update_connector_output(self, finished_sending: set[str], finished_recving: set[str]) -> None:
         self._held.difference_update(finished_sending)
@@ -64,10 +99,17 @@ class VllmSchedulerSide:
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         view = self._views.pop(request.request_id, None) or RequestView(request, None)
+        self._schedule.forget(request.request_id)
+        if self._asks.pending(view.request_id):
+            self._abandoned[view.request_id] = view
+            return False, None
         delay, params = self.half.request_finished(view, block_ids)
-        if delay and isinstance(params, RemotePrefill):
+        if delay and params is not None:  # P's hand-off (pull or push): blocks held until finished_sending
             self._held.add(request.request_id)
         return delay, (params.to_wire() if params is not None else None)
 
     def has_pending_work(self) -> bool:
-        return bool(self._held) or self.half.has_pending_work()
+        return bool(self._held or self._abandoned) or self.half.has_pending_work()
+
+    def shutdown(self) -> None:
+        self._asks.close()

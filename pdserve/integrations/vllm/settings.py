@@ -10,7 +10,7 @@ from pdserve.kv_transfer.factory import extra_config, side_channel_address
 from pdserve.utils import cdiv
 
 # What this connector serves inside vLLM; the gateway reads it from the info metric.
-PROTOCOLS = ("pull",)
+PROTOCOLS = ("pull", "push", "decode-first")
 
 
 @dataclass(frozen=True, slots=True)

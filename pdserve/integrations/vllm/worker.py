@@ -6,6 +6,11 @@ the compatibility hash. Bytes move opaquely per (block, layer) between ends that
 hash covers vLLM's version, the model, the layers' names, shapes and dtype, and the block size. A pdserve
 instance lays the same model's KV out otherwise; the handshake's layout identity (vLLM-CPU's, with the weights'
 fingerprint) lets either end regroup the other's blocks when it reads them (`kv_transfer/layouts.py`).
+
+vLLM names layers where pdserve numbers them: a layer's index is its place in the registered cache (the order
+the data planes serve it in). vLLM starts a step's loads after the forward; pdserve's half starts the step's
+transfer work before it (push must see a registration before the layers it writes are saved), so it does so when
+vLLM binds the step's metadata, which precedes the forward.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ class VllmWorkerSide:
         self.agent: TransferAgent | None = None
         self.half: PdConnectorWorker | None = None
         self._reported: dict[str, float] = {}
+        self._layers: dict[str, int] = {}
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], vllm_version: str) -> None:
         s = self.settings
@@ -62,6 +68,7 @@ class VllmWorkerSide:
         if preferred not in ("auto", *PLANES):
             raise ValueError(f"inside vLLM PdConnector serves the {', '.join(PLANES)} data plane, not {preferred}")
         regions = BlockRegions.from_layers(list(kv_caches.values()))
+        self._layers = {name: index for index, name in enumerate(kv_caches)}
         names = [preferred] if preferred in PLANES else [name for name in PLANES if name in DATA_PLANES]
         planes = {name: make_data_plane(name, s.host) for name in names}
         for plane in planes.values():
@@ -79,14 +86,20 @@ class VllmWorkerSide:
     def bind(self, meta: PdConnectorMetadata) -> None:
         if self.half is not None:
             self.half.bind_connector_metadata(meta)
+            self.half.start_load_kv()
 
     def clear(self) -> None:
         if self.half is not None:
             self.half.clear_connector_metadata()
 
-    def start_load_kv(self) -> None:
+    def save_kv_layer(self, layer_name: str) -> None:
+        """The layer's KV for this step is in the cache: push writes it to D now, while later layers compute."""
         if self.half is not None:
-            self.half.start_load_kv()
+            self.half.save_kv_layer(self._layers[layer_name])
+
+    def wait_for_save(self) -> None:
+        if self.half is not None:
+            self.half.wait_for_save()
 
     def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(sent: blocks P may free, received: loads that ended, failed: loads vLLM's policy must handle).
