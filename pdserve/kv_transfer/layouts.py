@@ -18,7 +18,7 @@ import torch
 
 from pdserve.kv_transfer.data_plane.regions import BlockRegions
 from pdserve.kv_transfer.messages import KVLayout
-from pdserve.kv_transfer.vllm_nixl.layout import gather_into_mirror, scatter_into_pool, staging_view
+from pdserve.kv_transfer.vllm_nixl.layout import gather_into_mirror, mirror_view, scatter_into_pool, staging_view
 
 PDSERVE = "pdserve"
 VLLM_CPU = "vllm-cpu"
@@ -72,7 +72,8 @@ def translation_refused(local: KVLayout | None, remote: KVLayout | None) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Regrouper:
-    """Reads of a peer whose blocks are in another known layout: staged, then regrouped into the local cache."""
+    """Transfers with a peer whose blocks are in another known layout, through a staging area in the peer's
+    layout: reads land there and are regrouped into the local cache; writes are regrouped there from it."""
 
     local: KVLayout
     remote: KVLayout
@@ -96,6 +97,30 @@ class Regrouper:
         source = flat.view(_dtype(self.remote)).view(n, self.remote.num_layers, 2, heads, block_size, head_dim)
         layers = [cache.view(cache.shape[0], cache.shape[1], -1) for cache in caches]
         gather_into_mirror(source, list(range(n)), n * block_size, layers, local_ids)
+
+
+    def ungroup(self, caches: Sequence[torch.Tensor], local_ids: list[int], layer: int | None
+                ) -> tuple[torch.Tensor, BlockRegions]:
+        """The local blocks (or one layer of each, the others left unset) staged in the peer's layout, as staged
+        blocks ``0..n-1`` in `local_ids` order, ready to be written to it: the inverse of `regroup`."""
+        n, block_size = len(local_ids), self.local.block_size
+        staging, regions = self.staging(n)
+        layers = slice(None) if layer is None else slice(layer, layer + 1)
+        source_dtype = _dtype(self.local)
+        if self.local.engine == PDSERVE:
+            pool = caches[0]
+            heads = pool.shape[3]
+            mirror = [staging[:, index].view(source_dtype).view(n, heads, -1)
+                      for index in range(self.remote.num_layers)[layers]]
+            gather_into_mirror(pool[:, layers], local_ids, n * block_size, mirror, list(range(n)))
+            return staging, regions
+        heads, head_dim = _geometry(self.remote) or (0, 0)
+        pool = staging.view(source_dtype).view(n, self.remote.num_layers, 2, heads, block_size, head_dim)
+        ids = torch.tensor(local_ids, dtype=torch.long)
+        parts = [mirror_view(cache.view(cache.shape[0], cache.shape[1], -1), block_size) for cache in caches[layers]]
+        staged = tuple(torch.stack([part[side][ids] for part in parts]) for side in (0, 1))
+        scatter_into_pool(staged, pool[:, layers], list(range(n)), 0, n * block_size)
+        return staging, regions
 
 
 def _dtype(layout: KVLayout) -> torch.dtype:

@@ -50,7 +50,8 @@ class Peer:
     engine_id: str
     channel: PeerChannel
     plane: str
-    regrouper: Regrouper | None = None  # set when its blocks are in another engine's layout (reads regroup them)
+    # Set when its blocks are in another engine's layout: reads regroup its blocks, writes stage ours in its layout.
+    regrouper: Regrouper | None = None
 
 
 class Peers:
@@ -139,8 +140,8 @@ class Peers:
         return Peer(reply.engine_id, channel, plane_name, regrouper)
 
     async def _connect(self, offered: dict[str, Any], staged: bool) -> tuple[str, PeerChannel]:
-        """A channel on the first candidate plane that actually connects (one that stages reads when the peer's
-        blocks must be regrouped).
+        """A channel on the first candidate plane that actually connects (one that stages transfers when the
+        peer's blocks must be regrouped).
 
         Under "auto" nothing the peer says about itself decides: two network namespaces on one kernel share the
         boot id, yet neither reaches the other's abstract socket, so shm is chosen by connecting it.
@@ -148,8 +149,8 @@ class Peers:
         failures = []
         planes = self.rt.config.planes
         for name in self._candidates(offered):
-            if staged and not planes[name].stages_reads:
-                failures.append(f"{name}: cannot read another engine's layout")
+            if staged and not planes[name].stages:
+                failures.append(f"{name}: cannot move another engine's layout")
                 continue
             try:
                 return name, await self.rt.off_loop(planes[name].connect, offered[name])

@@ -35,8 +35,9 @@ class InstanceInfo(msgspec.Struct, frozen=True, kw_only=True):
     # Foreign decode connectors that can load this (prefill) instance's KV (e.g. "vllm-nixl": it answers vLLM
     # 0.32's NixlConnector decoders on a side channel of their own), so a gateway may pair it with them for `pull`.
     kv_sinks: list[str] = []
-    # PdConnector's own KV layout ("pdserve", or "vllm-cpu" inside vLLM-CPU) and block size: a decode instance
-    # whose kv_sources list a prefill instance's layout regroups its blocks when it reads them (same block size).
+    # PdConnector's own KV layout ("pdserve", or "vllm-cpu" inside vLLM-CPU) and block size: an instance whose
+    # kv_sources list a peer's layout regroups the peer's blocks when it reads them and its own into the peer's
+    # layout when it writes them by push (same block size).
     kv_layout: str | None = None
     kv_block_size: int | None = None
 

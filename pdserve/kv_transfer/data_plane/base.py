@@ -41,14 +41,21 @@ class PeerChannel(ABC):
         regrouped); returns bytes moved. Blocking. Only planes that copy bytes through `BlockRegions` can."""
         raise DataPlaneError("this data plane reads only into the local KV pool, not into a staging area")
 
+    def write_from(self, key: str, token: str, staged_ids: list[int], remote_ids: list[int],
+                   staging: BlockRegions, layer: int | None = None) -> int:
+        """Copy staged blocks (or one layer of them), already in the peer's layout, into the remote ones; returns
+        bytes moved. Blocking. Only planes that copy bytes through `BlockRegions` can."""
+        raise DataPlaneError("this data plane writes only from the local KV pool, not from a staging area")
+
     def close(self) -> None:
         pass
 
 
 class DataPlane(ABC):
     name: str = ""
-    # Whether its channels implement `read_into` (reads of another engine's layout, staged to be regrouped).
-    stages_reads: bool = False
+    # Whether its channels implement `read_into` and `write_from` (transfers with another engine's layout, staged
+    # to be regrouped).
+    stages: bool = False
 
     def __init__(self, host: str = "127.0.0.1") -> None:
         self.host = host

@@ -199,7 +199,7 @@ class NixlDataPlane(TcpDataPlane):
     span)."""
 
     name = "nixl"
-    stages_reads = False  # its reads land in registered memory only, never a staging area
+    stages = False  # its transfers move registered memory only, never a staging area
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         super().__init__(host, port)

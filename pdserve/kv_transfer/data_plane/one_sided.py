@@ -148,7 +148,7 @@ class GrantingPlane(TcpDataPlane):
     """tcp's listener answers grants; the block bytes move by the engine. Serves pdserve's own pool only: the
     engine registers that one tensor."""
 
-    stages_reads = False  # its reads land in registered memory only, never a staging area
+    stages = False  # its transfers move registered memory only, never a staging area
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         super().__init__(host, port)

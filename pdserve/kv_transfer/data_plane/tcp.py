@@ -99,10 +99,14 @@ class TcpPeer(PeerChannel):
 
     def write_blocks(self, key: str, token: str, local_ids: list[int], remote_ids: list[int],
                      layer: int | None = None) -> int:
-        remote, local = sorted_pairs(remote_ids, local_ids)
-        nbytes = self.local.size(local, layer)
+        return self.write_from(key, token, local_ids, remote_ids, self.local, layer)
+
+    def write_from(self, key: str, token: str, staged_ids: list[int], remote_ids: list[int],
+                   staging: BlockRegions, layer: int | None = None) -> int:
+        remote, local = sorted_pairs(remote_ids, staged_ids)
+        nbytes = staging.size(local, layer)
         self._exchange({"op": "write", "key": key, "token": token, "block_ids": remote, "layer": layer,
-                        "nbytes": nbytes}, self.local.spans(local, layer), [])
+                        "nbytes": nbytes}, staging.spans(local, layer), [])
         return nbytes
 
     def close(self) -> None:
@@ -119,7 +123,7 @@ def sorted_pairs(remote_ids: list[int], local_ids: list[int]) -> tuple[list[int]
 
 class TcpDataPlane(DataPlane):
     name = "tcp"
-    stages_reads = True
+    stages = True
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         super().__init__(host)

@@ -2,7 +2,9 @@
 
 Registrations and releases arrive on the agent's loop and wait here until the engine thread's
 ``PushProducer`` takes them at its next step. Writes go out on one writer thread, so a transfer's writes land
-in the order they were issued (catch-up before layers) and its write-done follows the last of them.
+in the order they were issued (catch-up before layers) and its write-done follows the last of them. A consumer
+whose cache is laid out by another engine (pdserve's pool and vLLM-CPU's caches) gets our blocks regrouped into
+its layout in a staging area on that thread, and checksums of those staged bytes, which are what its blocks hold.
 """
 
 from __future__ import annotations
@@ -12,10 +14,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from pdserve.ids import TransferId
-from pdserve.kv_transfer.data_plane import DataPlaneError
 from pdserve.kv_transfer.integrity import block_checksums
 from pdserve.kv_transfer.messages import Ack, PushRegister, WriteDone
-from pdserve.kv_transfer.peers import Peers
+from pdserve.kv_transfer.peers import Peer, Peers
 from pdserve.kv_transfer.runtime import AgentRuntime
 
 
@@ -63,19 +64,33 @@ class ProducerLink:
         stall = faults.before_transfer("write")
         if stall:
             time.sleep(stall)
-        peer = self.rt.call_and_wait(
-            self.peers.peer(registration.consumer_host, registration.consumer_port, registration.consumer_engine_id),
-            self.rt.config.handshake_timeout_s + 1)
-        if peer.regrouper is not None:
-            raise DataPlaneError("push writes blocks as they lie, and the consumer's KV is in another engine's layout")
+        peer = self._peer(registration)
         lost = faults.lost_blocks(local_ids) if faults.enabled else set()
         pairs = [(s, d) for s, d in zip(local_ids, remote_ids, strict=True) if s not in lost]
         if not pairs:
             return
         local_ids, remote_ids = [s for s, _ in pairs], [d for _, d in pairs]
-        self.rt.stats.push_bytes_sent += peer.channel.write_blocks(registration.transfer_id, registration.token,
-                                                                   local_ids, remote_ids, layer)
+        key, token = registration.transfer_id, registration.token
+        if peer.regrouper is None:
+            nbytes = peer.channel.write_blocks(key, token, local_ids, remote_ids, layer)
+        else:
+            _, staging = peer.regrouper.ungroup(self.rt.caches, local_ids, layer)
+            nbytes = peer.channel.write_from(key, token, list(range(len(local_ids))), remote_ids, staging, layer)
+        self.rt.stats.push_bytes_sent += nbytes
         self.rt.stats.push_writes += 1
+
+    def _peer(self, registration: PushRegister) -> Peer:
+        return self.rt.call_and_wait(
+            self.peers.peer(registration.consumer_host, registration.consumer_port, registration.consumer_engine_id),
+            self.rt.config.handshake_timeout_s + 1)
+
+    def _checksums(self, registration: PushRegister, source_blocks: list[int]) -> list[int]:
+        """Of the bytes the consumer's blocks hold once written: ours, or ours staged in its layout."""
+        peer = self._peer(registration)
+        if peer.regrouper is None:
+            return block_checksums(self.rt.regions, source_blocks)
+        _, staging = peer.regrouper.ungroup(self.rt.caches, source_blocks, None)
+        return block_checksums(staging, list(range(len(source_blocks))))
 
     def send_write_done(self, registration: PushRegister, ok: bool, error: str = "",
                         source_blocks: list[int] | None = None, refusal: str = "") -> None:
@@ -83,7 +98,12 @@ class ProducerLink:
 
         With `source_blocks` (ours, in registration order), the message carries their checksums.
         """
-        checksums = block_checksums(self.rt.regions, source_blocks) if ok and source_blocks else []
+        checksums: list[int] = []
+        if ok and source_blocks:
+            try:
+                checksums = self._checksums(registration, source_blocks)
+            except Exception as exc:  # noqa: BLE001 - the consumer must still hear that its blocks are not usable
+                ok, error = False, f"could not checksum the written blocks: {exc}"
         message = WriteDone(transfer_id=registration.transfer_id, token=registration.token, ok=ok, error=error,
                             checksums=checksums, refusal=refusal)
         self.rt.call(self.peers.notify(registration.consumer_host, registration.consumer_port, message))
