@@ -7,7 +7,7 @@ as decode; each answer (completions in every protocol, a streamed chat in pull) 
 (tokens equal, logprobs within the cross-process bound), which it can only if the side that moved the bytes
 regrouped them correctly: the reader into its own layout (pull, decode-first), the writer into the reader's (push);
 D really loaded the KV, every block passing its checksum (vLLM counts the prompt as external tokens; pdserve counts
-a load and its bytes); and afterwards vLLM's cache is idle, its PdConnector holds nothing and pdserve holds no
+a load and its bytes, or a completed push); and afterwards vLLM's cache is idle, its PdConnector holds nothing and pdserve holds no
 blocks.
 
 One vLLM instance (kv_role kv_both: prefill for one direction, decode for the other, and the colocated oracle)
@@ -77,18 +77,19 @@ def decode_loaded(mixed: dict, direction: str):
     when a loaded block failed its checksum (D would recompute it, hiding a wrong regrouping)."""
     decode = mixed["V" if direction == "pdserve-to-vllm" else "S"]
     start_values = metric_values(decode)
-    pulled = vllm_pulled(mixed["V"])
+    external = vllm_pulled(mixed["V"])
 
     def loaded() -> float:
         now = metric_values(decode)
         if now.get(INVALID, 0.0) != start_values.get(INVALID, 0.0):
             return 0.0
         if direction == "pdserve-to-vllm":
-            return vllm_pulled(mixed["V"]) - pulled
-        loads = now["pdserve:kv_transfer_loads_ok_total"] - start_values["pdserve:kv_transfer_loads_ok_total"]
-        received = (now["pdserve:kv_transfer_bytes_received_total"]
-                    - start_values["pdserve:kv_transfer_bytes_received_total"])
-        return float("inf") if loads == 1 and received > 0 else 0.0
+            return vllm_pulled(mixed["V"]) - external
+
+        def grew(name: str) -> float:
+            return now[f"pdserve:{name}_total"] - start_values[f"pdserve:{name}_total"]
+        pulled = grew("kv_transfer_loads_ok") == 1 and grew("kv_transfer_bytes_received") > 0
+        return float("inf") if pulled or grew("kv_push_done_ok") == 1 else 0.0
     return loaded
 
 
