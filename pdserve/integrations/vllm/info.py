@@ -4,8 +4,8 @@ The gateway learns what an instance is by asking it. vLLM serves no pdserve endp
 but it serves /metrics, and a connector may register metric families in the API server process, where /metrics
 lives (`build_prom_metrics`). `pdserve:kv_connector_info` (always 1) carries in its labels what the gateway needs:
 the connector, the protocols it serves inside vLLM, the side channel (engine id, host, port), and, on vLLM-CPU,
-its KV layout and block size and the layout it regroups when it reads (pdserve's), so the gateway pairs it with
-pdserve instances whose blocks either end can regroup. The same
+its KV layout and block size and the layout it regroups (pdserve's: into its own when it reads, its own into it
+when it pushes), so the gateway pairs it with pdserve instances in every protocol. The same
 object shows pdserve's transfer counters and gauges, as a pdserve instance does (`stats.py`).
 """
 
