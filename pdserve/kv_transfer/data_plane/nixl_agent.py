@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pdserve.kv_transfer.data_plane.one_sided import pause
 from pdserve.kv_transfer.data_plane.regions import DataPlaneError
 
 NIXL_INSTALL_HINT = "pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1"
@@ -28,9 +29,6 @@ LOCAL = "NIXL_INIT_AGENT"  # the owner named when preparing this agent's own des
 # Notifications that arrived with no waiter yet (an owner answers a grant before the initiator starts) are
 # kept, a bounded number of them, until their waiter comes.
 _UNCLAIMED_NOTIFS = 4096
-# Polling backs off from a busy poll to this pause: short transfers finish in microseconds, long ones are not
-# slowed by a millisecond, and a stalled one does not spin a core until its deadline.
-_MAX_PAUSE_S = 0.001
 # How long a transfer still moving bytes at its deadline is waited out before its caller is told it failed.
 _DRAIN_S = 30.0
 
@@ -39,10 +37,6 @@ log = logging.getLogger(__name__)
 
 class NixlUnavailable(DataPlaneError):
     """NIXL is not installed, or its UCX backend did not start."""
-
-
-def pause(attempt: int) -> float:
-    return min(_MAX_PAUSE_S, 0.00001 * (2 ** min(attempt, 10))) if attempt else 0.0
 
 
 def memory_kind(device: torch.device) -> tuple[str, int]:
