@@ -179,6 +179,7 @@ class ConnectorBundle:
             "gauge pdserve:kv_leases_held": self.agent.num_leases(),
             "gauge pdserve:kv_transfer_map_size": len(self.worker.translator),
             "gauge pdserve:kv_push_expected": self.agent.num_expected(),
+            "gauge pdserve:kv_blocks_quarantined": s.blocks_quarantined,
             "counter pdserve:kv_push_writes": s.push_writes,
             "counter pdserve:kv_push_bytes_sent": s.push_bytes_sent,
             "counter pdserve:kv_push_done_ok": s.push_done_ok,

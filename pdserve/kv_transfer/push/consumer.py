@@ -1,8 +1,11 @@
 """D's side of push: register blocks with a producer, let only its writes in, and wait for its write-done.
 
 The blocks stay D's to fill until P's write-done (or a failure notice) arrives, or the registration's deadline
-passes; if D's request ends first, it asks P to stop and still waits for P's last word (or a short grace), so
-no late write lands in blocks D has reused.
+passes; if D's request ends first, it asks P to stop and still waits for P's last word (or a short grace). A
+registration D gave up on without P's last word is quarantined: P may be writing into its blocks at that very
+moment (a one-sided write cannot be called back), so they are neither recomputed in nor freed until P says it
+stopped, or until a write granted before D gave up has surely ended (`IN_FLIGHT_BOUND_S`). No late write lands
+in blocks D has reused.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 
 from pdserve.ids import ReqId, TransferId
 from pdserve.kv_transfer.data_plane import DataPlaneError
+from pdserve.kv_transfer.data_plane.base import IN_FLIGHT_BOUND_S
 from pdserve.kv_transfer.integrity import invalid_blocks
 from pdserve.kv_transfer.messages import Ack, PushRegister, WriteDone
 from pdserve.kv_transfer.peers import Peers
@@ -41,6 +45,7 @@ class PushExpectation:
     started_at: float
     cancelled: bool = False
     plane: str = ""  # the data plane P writes over, once the handshake chose it
+    settle_by: float | None = None  # quarantined (D gave up, P has not said it stopped) until then
 
 
 class PushConsumer:
@@ -147,6 +152,8 @@ class PushConsumer:
             expectation = self._expected.pop(transfer_id, None)
             if expectation is None:
                 return
+            if expectation.settle_by is not None:
+                self.rt.stats.blocks_quarantined -= len(expectation.block_ids)
             ok = ok and not expectation.cancelled
             # P wrote every registered block when its write-done says ok
             block_bytes = self.rt.regions.block_bytes
@@ -163,15 +170,28 @@ class PushConsumer:
         self.rt.on_event()
 
     async def watch(self) -> None:
-        """Forever: end registrations whose producer did not finish in time, and tell it to stop."""
+        """Forever: give up on registrations whose producer did not finish in time (quarantined, and it is told
+        to stop), and end quarantines whose bound passed with no word from the producer."""
         while True:
             await asyncio.sleep(0.1)
             now = time.monotonic()
             with self._lock:
-                late = [e for e in self._expected.values() if e.deadline <= now]
-            for expectation in late:
-                self.rt.stats.push_registration_timeouts += 1
+                late = [e for e in self._expected.values() if e.deadline <= now and e.settle_by is None]
+                settled = [e for e in self._expected.values() if e.settle_by is not None and e.settle_by <= now]
+            for expectation in settled:
+                log.warning("push transfer %s: no word from its producer %g s after giving up; blocks reused",
+                            expectation.transfer_id, IN_FLIGHT_BOUND_S)
                 self._complete(expectation.transfer_id, ok=False,
                                error=f"no write-done within {self.rt.config.push_timeout_s} s")
-                asyncio.create_task(self.peers.release(expectation.host, expectation.port, expectation.transfer_id,
-                                                       expectation.token, "registration timed out"))
+            for expectation in late:
+                self._quarantine(expectation, now)
+
+    def _quarantine(self, expectation: PushExpectation, now: float) -> None:
+        """Stop waiting for the producer, but keep the blocks until it says nothing more will land."""
+        self.rt.stats.push_registration_timeouts += 1
+        with self._lock:
+            expectation.cancelled = True  # no further write is let in
+            expectation.settle_by = now + IN_FLIGHT_BOUND_S
+        self.rt.stats.blocks_quarantined += len(expectation.block_ids)
+        asyncio.create_task(self.peers.release(expectation.host, expectation.port, expectation.transfer_id,
+                                               expectation.token, "registration timed out"))
