@@ -55,6 +55,9 @@ class PeerChannel(ABC):
 
 class DataPlane(ABC):
     name: str = ""
+    # Whether a peer's every write into this pool passes `authorize` first: the owner then knows when the last
+    # write it let in started (shared memory's peer writes without asking).
+    authorizes_writes: bool = True
 
     def __init__(self, host: str = "127.0.0.1") -> None:
         self.host = host

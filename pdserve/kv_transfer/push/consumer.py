@@ -4,7 +4,8 @@ The blocks stay D's to fill until P's write-done (or a failure notice) arrives, 
 passes; if D's request ends first, it asks P to stop and still waits for P's last word (or a short grace). A
 registration D gave up on without P's last word is quarantined: P may be writing into its blocks at that very
 moment (a one-sided write cannot be called back), so they are neither recomputed in nor freed until P says it
-stopped, or until a write granted before D gave up has surely ended (`IN_FLIGHT_BOUND_S`). No late write lands
+stopped, or until a write let in before D gave up has surely ended (`IN_FLIGHT_BOUND_S` after the last one D
+let in; after D gave up, where P writes without asking, as over shared memory). No late write lands
 in blocks D has reused.
 """
 
@@ -46,6 +47,7 @@ class PushExpectation:
     cancelled: bool = False
     plane: str = ""  # the data plane P writes over, once the handshake chose it
     settle_by: float | None = None  # quarantined (D gave up, P has not said it stopped) until then
+    last_write: float | None = None  # when D last let one of P's writes in
 
 
 class PushConsumer:
@@ -118,6 +120,7 @@ class PushConsumer:
                 return f"wrong transfer token for {key!r}"
             if not set(block_ids) <= set(expectation.block_ids):
                 return f"blocks outside the registration of {key!r}"
+            expectation.last_write = time.monotonic()
         return None
 
     async def _register(self, expectation: PushExpectation, register: PushRegister) -> None:
@@ -179,19 +182,27 @@ class PushConsumer:
                 late = [e for e in self._expected.values() if e.deadline <= now and e.settle_by is None]
                 settled = [e for e in self._expected.values() if e.settle_by is not None and e.settle_by <= now]
             for expectation in settled:
-                log.warning("push transfer %s: no word from its producer %g s after giving up; blocks reused",
-                            expectation.transfer_id, IN_FLIGHT_BOUND_S)
+                log.warning("push transfer %s: no word from its producer, but no write of its can still be "
+                            "moving; its blocks are reused", expectation.transfer_id)
                 self._complete(expectation.transfer_id, ok=False,
                                error=f"no write-done within {self.rt.config.push_timeout_s} s")
             for expectation in late:
                 self._quarantine(expectation, now)
 
     def _quarantine(self, expectation: PushExpectation, now: float) -> None:
-        """Stop waiting for the producer, but keep the blocks until it says nothing more will land."""
+        """Stop waiting for the producer, but keep the blocks until it says nothing more will land (or no write
+        D let in can still be moving)."""
         self.rt.stats.push_registration_timeouts += 1
-        with self._lock:
-            expectation.cancelled = True  # no further write is let in
-            expectation.settle_by = now + IN_FLIGHT_BOUND_S
-        self.rt.stats.blocks_quarantined += len(expectation.block_ids)
         asyncio.create_task(self.peers.release(expectation.host, expectation.port, expectation.transfer_id,
                                                expectation.token, "registration timed out"))
+        plane = self.rt.config.planes.get(expectation.plane)
+        unseen = plane is None or not plane.authorizes_writes  # P may have started a write just now
+        last_write = now if unseen else expectation.last_write
+        with self._lock:
+            expectation.cancelled = True  # no further write is let in
+            if last_write is not None and last_write + IN_FLIGHT_BOUND_S > now:
+                expectation.settle_by = last_write + IN_FLIGHT_BOUND_S
+                self.rt.stats.blocks_quarantined += len(expectation.block_ids)
+                return
+        self._complete(expectation.transfer_id, ok=False,
+                       error=f"no write-done within {self.rt.config.push_timeout_s} s")
