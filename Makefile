@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench install clean
+.PHONY: demo test bench install native clean
 
 $(STAMP): pyproject.toml requirements/constraints.txt scripts/install_mooncake.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,15 +17,21 @@ $(STAMP): pyproject.toml requirements/constraints.txt scripts/install_mooncake.s
 	scripts/install_mooncake.sh $(PY)
 	touch $(STAMP)
 
-install: $(STAMP)
+install: $(STAMP) native
 
-demo: $(STAMP)
+# The C++ decode attention, compiled once into a per-machine cache (~10 s cold, nothing when cached). Servers only
+# load it; without it (no compiler) they fall back to the plain-torch path, and tests/test_native_attention.py
+# fails in CI.
+native: $(STAMP)
+	-$(PY) -m pdserve.native
+
+demo: install
 	$(PY) scripts/demo.py
 
-test: $(STAMP)
+test: install
 	$(PY) -m pytest -q
 
-bench: $(STAMP)
+bench: install
 	$(PY) bench/engine.py
 
 clean:

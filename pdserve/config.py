@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     import torch
 
 ROLES = ("both", "prefill", "decode", "encode")
+ATTENTION_BACKENDS = ("auto", "native", "torch")  # decode attention; see pdserve/native/backend.py
 DEFAULT_KV_CACHE_GIB = 1.0
 
 
@@ -34,6 +35,7 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None
     device: str = "cpu"
+    attention_backend: str | None = None  # auto | native | torch; None: $PDSERVE_ATTENTION_BACKEND, else auto
     role: str = "both"
     kv_transfer_config: dict[str, Any] = field(default_factory=dict)
     ec_transfer_config: dict[str, Any] = field(default_factory=dict)
@@ -45,6 +47,9 @@ class EngineConfig:
         self.model = Path(self.model)
         if self.role not in ROLES:
             raise ValueError(f"unknown role {self.role!r}; choose one of {', '.join(ROLES)}")
+        if self.attention_backend not in (None, *ATTENTION_BACKENDS):
+            raise ValueError(f"unknown attention backend {self.attention_backend!r}; choose one of "
+                             f"{', '.join(ATTENTION_BACKENDS)}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

@@ -13,47 +13,25 @@ Two vLLM instances for the module (P also serves as the colocated oracle).
 
 from __future__ import annotations
 
-import contextlib
 
 import httpx
 import pytest
 
 from conftest import random_prompt
-from pdserve.launcher import start
-from peers import reserved_port
 from server_utils import assert_same_answer, completion_body, wait_for
-from vllm_live import pd_connector_config, ready, start_vllm, usage
+from vllm_live import pd_connector_pull, usage
 
 pytestmark = pytest.mark.vllm
 
 PROMPTS = [random_prompt(20, 51), random_prompt(300, 52)]
 
 
-@contextlib.contextmanager
-def vllm_pair(model, p_extra: dict | None = None, d_extra: dict | None = None):
-    """A vLLM P and a vLLM D with PdConnector (`*_extra` go to its extra config) and a pull gateway over them."""
-    p = start_vllm(model, name="P", wait=False, kv_transfer_config=pd_connector_config(
-        "kv_producer", reserved_port(), **(p_extra or {})))
-    d_config = {**pd_connector_config("kv_consumer", reserved_port(), **(d_extra or {})),
-                "kv_load_failure_policy": "recompute"}
-    d = start_vllm(model, name="D", wait=False, kv_transfer_config=d_config)
-    try:
-        ready(p)
-        ready(d)
-        gateway = start("gateway", ["gateway", "--port", "0", "--log-level", "warning", "--prefill", p.url,
-                                    "--decode", d.url, "--protocol", "pull"])
-        yield p, d, gateway
-        gateway.stop()
-    finally:
-        p.stop()
-        d.stop()
-
-
 @pytest.fixture(scope="module")
 def pair(models, tmp_path_factory):
     capture = tmp_path_factory.mktemp("capture") / "p.msgs"
-    with vllm_pair(models("llama"), {"capture_messages": str(capture)}) as (p, d, gateway):
-        yield {"P": p.url, "D": d.url, "gateway": gateway.url, "capture": capture, "P_process": p}
+    # tcp pinned (auto would pick shm between two instances on one host; test_vllm_pd_faults.py covers shm).
+    with pd_connector_pull(models("llama"), {"capture_messages": str(capture)}, {"data_plane": "tcp"}) as (p, d, gw):
+        yield {"P": p.url, "D": d.url, "gateway": gw.url, "capture": capture, "P_process": p}
 
 
 def external_tokens(url: str) -> float:

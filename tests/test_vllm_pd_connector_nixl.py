@@ -14,8 +14,8 @@ import pytest
 
 from conftest import random_prompt
 from server_utils import assert_same_answer, data_planes, wait_for
-from test_vllm_pd_connector import complete, external_tokens, vllm_pair
-from vllm_live import usage
+from test_vllm_pd_connector import complete, external_tokens
+from vllm_live import pd_connector_pull, usage
 
 pytestmark = [pytest.mark.vllm, pytest.mark.parametrize("plane", data_planes("nixl"))]
 
@@ -25,7 +25,7 @@ PROMPTS = [random_prompt(20, 61), random_prompt(300, 62)]
 @pytest.fixture(scope="module")
 def pair(models):
     nixl = {"data_plane": "nixl"}
-    with vllm_pair(models("llama"), nixl, nixl) as (p, d, gateway):
+    with pd_connector_pull(models("llama"), nixl, nixl) as (p, d, gateway):
         yield {"P": p.url, "D": d.url, "gateway": gateway.url}
 
 

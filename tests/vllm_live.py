@@ -16,6 +16,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +26,7 @@ import pytest
 from peers import reserved_port, wait_healthy
 from server_utils import metric_values
 
-from pdserve.launcher import Process
+from pdserve.launcher import Process, start
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_VENV = ROOT / ".cache" / "vllm"
@@ -192,6 +194,29 @@ def start_pd(model: Path | str, **kwargs) -> tuple[VllmInstance, VllmInstance]:
         decode.stop()
         raise
     return prefill, decode
+
+
+@contextmanager
+def pd_connector_pull(model: Path | str, producer: dict, consumer: dict) -> Iterator[tuple[VllmInstance, VllmInstance,
+                                                                                             Process]]:
+    """A vLLM P and D with PdConnector (`kv_connector_extra_config` extras each; D recomputes a failed load),
+    started side by side, and a pull gateway in front: (P, D, gateway), all stopped afterwards."""
+    p = start_vllm(model, name="P", wait=False, kv_transfer_config=pd_connector_config(
+        "kv_producer", reserved_port(), **producer))
+    d = start_vllm(model, name="D", wait=False, kv_transfer_config={
+        **pd_connector_config("kv_consumer", reserved_port(), **consumer), "kv_load_failure_policy": "recompute"})
+    try:
+        ready(p)
+        ready(d)
+        gateway = start("gateway", ["gateway", "--port", "0", "--log-level", "warning", "--prefill", p.url,
+                                    "--decode", d.url, "--protocol", "pull"])
+        try:
+            yield p, d, gateway
+        finally:
+            gateway.stop()
+    finally:
+        p.stop()
+        d.stop()
 
 
 def ready(instance: VllmInstance, timeout: float = 300.0) -> VllmInstance:

@@ -50,3 +50,11 @@ engine_idx
 # classes up by name in OPTIONAL_PLANES, so only the engine's presence decides whether they load.
 NixlDataPlane
 MooncakeDataPlane
+# vLLM's connector stats interface (pdserve/integrations/vllm/connector.py, stats.py): vLLM's model runner asks
+# the worker for stats each step, its scheduler and loggers rebuild, merge, summarise and reset them.
+build_kv_connector_stats
+get_kv_connector_stats
+reset
+aggregate
+reduce
+is_empty

@@ -64,7 +64,8 @@ class LLMEngine:
         self.max_model_len = model.max_model_len
         self.tokenizer = Tokenizer(config.tokenizer or config.model)
         worker_half = connectors.worker if connectors is not None else None
-        self.runner = ModelRunner(model, config.block_size, config.seed, config.device, connector=worker_half)
+        self.runner = ModelRunner(model, config.block_size, config.seed, config.device, connector=worker_half,
+                                  attention_backend=config.attention_backend)
         self.faults = self.runner.faults = EngineFaults.from_env()
         self.vocab_size = self.runner.cfg.vocab_size
         self.eos_token_ids = self.tokenizer.eos_token_ids or self.runner.cfg.eos_token_ids

@@ -18,6 +18,7 @@ from pdserve.layers.attention import AttentionMetadata, PrefillChunk
 from pdserve.models.config import ModelSpec
 from pdserve.models.llama import ForwardContext, NoHooks
 from pdserve.models.registry import LoadedModel, build_model
+from pdserve.native.backend import choose_decode_kernel
 from pdserve.utils import cdiv
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ def default_kv_allocator(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Te
 
 class ModelRunner:
     def __init__(self, spec: ModelSpec, block_size: int, seed: int = 0, device: str = "cpu",
-                 connector: KVConnectorWorker | None = None) -> None:
+                 connector: KVConnectorWorker | None = None, attention_backend: str | None = None) -> None:
         self.device = torch.device(device)
         self.dtype = spec.dtype
         self.block_size = block_size
@@ -48,6 +49,7 @@ class ModelRunner:
         self.generators: dict[ReqId, torch.Generator] = {}
         self.default_generator = torch.Generator().manual_seed(seed)
         self.faults = EngineFaults()
+        self.decode_kernel = choose_decode_kernel(attention_backend, self.device, self.dtype)
 
     # -- KV cache ---------------------------------------------------------------------------------------
     def kv_block_shape(self) -> tuple[int, ...]:
@@ -213,10 +215,11 @@ class ModelRunner:
         attn = AttentionMetadata(slot_block=torch.tensor(slot_block), slot_offset=torch.tensor(slot_offset),
                                  num_decode_tokens=len(decodes), prefills=prefills)
         if decodes:
-            attn.decode_block_table, attn.decode_bias = self._decode_tables(decodes)
+            self._decode_tables(decodes, attn)
         return torch.tensor(token_ids), torch.tensor(positions), attn, sample_rows
 
-    def _decode_tables(self, decodes: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_tables(self, decodes: list[ScheduledRequest], attn: AttentionMetadata) -> None:
+        """The padded block table and each decode's length; the torch path also gets the padding's mask."""
         bs = self.block_size
         lengths = [s.start_position + 1 for s in decodes]
         max_blocks = cdiv(max(lengths), bs)
@@ -224,7 +227,9 @@ class ModelRunner:
         for i, s in enumerate(decodes):
             n = cdiv(lengths[i], bs)
             table[i, :n] = torch.tensor(s.block_ids[:n])
-        keys = torch.arange(max_blocks * bs).unsqueeze(0)
-        visible = keys < torch.tensor(lengths).unsqueeze(1)
-        bias = torch.zeros(visible.shape, dtype=self.dtype).masked_fill_(~visible, float("-inf"))
-        return table, bias.view(len(decodes), 1, 1, max_blocks * bs)
+        attn.decode_block_table, attn.decode_lengths = table, torch.tensor(lengths)
+        attn.decode_kernel = self.decode_kernel
+        if self.decode_kernel is None:
+            visible = torch.arange(max_blocks * bs).unsqueeze(0) < attn.decode_lengths.unsqueeze(1)
+            bias = torch.zeros(visible.shape, dtype=self.dtype).masked_fill_(~visible, float("-inf"))
+            attn.decode_bias = bias.view(len(decodes), 1, 1, max_blocks * bs)

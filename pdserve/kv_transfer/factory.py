@@ -28,6 +28,7 @@ from pdserve.kv_transfer.decode_first import DecodeFirstClient
 from pdserve.kv_transfer.faults import FaultConfig, resolve_fault_config
 from pdserve.kv_transfer.layouts import VLLM_CPU, pdserve_layout
 from pdserve.kv_transfer.messages import PROTOCOL_VERSION
+from pdserve.kv_transfer.metrics import TRANSFER_METRICS, transfer_metric_values
 from pdserve.kv_transfer.params import (VLLM_NIXL, DecodeFirst, ForeignPrefill, KVParamsError, KVTransferParams,
                                         RemoteDecode, RemotePrefill, parse_kv_params, parse_release)
 from pdserve.kv_transfer.pd_connector import PdConnectorScheduler, PdConnectorWorker, ProducerIdentity
@@ -164,28 +165,10 @@ class ConnectorBundle:
                                     f"rejected before admission: {reason}")
 
     def metrics(self) -> dict[str, float]:
-        s = self.agent.stats
+        values = transfer_metric_values(self.agent, self.worker)
+        transfer = {f"{m.kind} {m.name}": values[m.name] for m in TRANSFER_METRICS}
         return {
-            "counter pdserve:kv_transfer_bytes_received": s.bytes_received,
-            "counter pdserve:kv_transfer_loads_ok": s.loads_ok,
-            "counter pdserve:kv_transfer_loads_failed": s.loads_failed,
-            "counter pdserve:kv_transfer_load_seconds": s.load_seconds_total,
-            "counter pdserve:kv_lease_expired_requests": s.leases_expired,
-            "counter pdserve:kv_releases_received": s.releases_received,
-            "counter pdserve:kv_read_done_received": s.read_done_received,
-            "counter pdserve:kv_handshake_refusals": s.handshake_refusals,
-            "counter pdserve:kv_reads_denied": s.reads_denied,
-            "counter pdserve:kv_blocks_invalid": s.blocks_invalid,
-            "gauge pdserve:kv_leases_held": self.agent.num_leases(),
-            "gauge pdserve:kv_transfer_map_size": len(self.worker.translator),
-            "gauge pdserve:kv_push_expected": self.agent.num_expected(),
-            "gauge pdserve:kv_blocks_quarantined": s.blocks_quarantined,
-            "counter pdserve:kv_push_writes": s.push_writes,
-            "counter pdserve:kv_push_bytes_sent": s.push_bytes_sent,
-            "counter pdserve:kv_push_done_ok": s.push_done_ok,
-            "counter pdserve:kv_push_done_failed": s.push_done_failed,
-            "counter pdserve:kv_push_registration_timeouts": s.push_registration_timeouts,
-            "counter pdserve:kv_push_unregistered_expired": self.worker.push.expired if self.worker.push else 0,
+            **transfer,
             "counter pdserve:decode_first_prefills": self.decode_first.prefills,
             "counter pdserve:decode_first_fallbacks": self.decode_first.fallbacks,
             "counter pdserve:kv_foreign_params": self.foreign_params,

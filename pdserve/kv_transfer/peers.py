@@ -135,19 +135,24 @@ class Peers:
             if refused:
                 raise DataPlaneError(f"incompatible KV at {host}:{port}: {refused}")
             regrouper = Regrouper(config.layout, reply.layout)
-        plane_name, channel = await self._connect(reply.data_plane_info)
+        plane_name, channel = await self._connect(reply.data_plane_info, staged=regrouper is not None)
         return Peer(reply.engine_id, channel, plane_name, regrouper)
 
-    async def _connect(self, offered: dict[str, Any]) -> tuple[str, PeerChannel]:
-        """A channel on the first candidate plane that actually connects.
+    async def _connect(self, offered: dict[str, Any], staged: bool) -> tuple[str, PeerChannel]:
+        """A channel on the first candidate plane that actually connects (one that stages reads when the peer's
+        blocks must be regrouped).
 
         Under "auto" nothing the peer says about itself decides: two network namespaces on one kernel share the
         boot id, yet neither reaches the other's abstract socket, so shm is chosen by connecting it.
         """
         failures = []
+        planes = self.rt.config.planes
         for name in self._candidates(offered):
+            if staged and not planes[name].stages_reads:
+                failures.append(f"{name}: cannot read another engine's layout")
+                continue
             try:
-                return name, await self.rt.off_loop(self.rt.config.planes[name].connect, offered[name])
+                return name, await self.rt.off_loop(planes[name].connect, offered[name])
             except (DataPlaneError, OSError) as exc:
                 failures.append(f"{name}: {exc}")
         raise DataPlaneError(f"no data plane to the peer connected ({'; '.join(failures)})")

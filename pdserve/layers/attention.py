@@ -5,16 +5,21 @@ every layer is one contiguous chunk, so a transfer moves a block with one copy, 
 strided view ``[num_blocks, num_kv_heads, block_size, head_dim]`` that attention gathers from.
 
 A step's flat batch puts decode tokens (one per request) first, then prefill chunks. Decodes are attended over a
-padded block table in one call (SDPA, or grouped matmuls for fp32 batches); each prefill chunk goes through SDPA
-with its cached context.
+padded block table in one call: the native kernel reading the blocks in place when the engine has it
+(pdserve.native), else SDPA or grouped matmuls (fp32 batches) over a gathered copy; each prefill chunk goes
+through SDPA with its cached context.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+# (q [decodes, heads, head_dim], one layer's cache view, block table, context lengths, scale) -> like q
+DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
 @dataclass(slots=True)
@@ -32,6 +37,8 @@ class AttentionMetadata:
     num_decode_tokens: int = 0
     decode_block_table: torch.Tensor | None = None  # [num_decodes, max_blocks], padded with block 0
     decode_bias: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]: 0 or -inf, q's dtype
+    decode_lengths: torch.Tensor | None = None  # [num_decodes] context length of each decode, its own token included
+    decode_kernel: DecodeKernel | None = None  # reads the blocks in place; None: the torch path (needs decode_bias)
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -76,7 +83,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cac
 def _decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     nd = q.shape[0]
     table = meta.decode_block_table
-    assert table is not None and meta.decode_bias is not None
+    assert table is not None
+    if meta.decode_kernel is not None:
+        assert meta.decode_lengths is not None
+        return meta.decode_kernel(q, layer_cache, table, meta.decode_lengths, scale)
+    assert meta.decode_bias is not None
     kv = gather_blocks(layer_cache, table.reshape(-1))  # [2, kv_heads, nd * max_blocks, block_size, head_dim]
     kv_heads, head_dim = kv.shape[1], kv.shape[4]
     kv = kv.view(2, kv_heads, nd, -1, head_dim)

@@ -9,7 +9,7 @@ import socket
 import sys
 from pathlib import Path
 
-from pdserve.config import DEFAULT_KV_CACHE_GIB, ROLES, EngineConfig
+from pdserve.config import ATTENTION_BACKENDS, DEFAULT_KV_CACHE_GIB, ROLES, EngineConfig
 from pdserve.net.auth import AccessGuard, AccessPolicy, resolve_admin_token, resolve_api_keys
 from pdserve.net.body import DEFAULT_MAX_BODY_BYTES
 from pdserve.net.listen import StartupError, bind_socket, freeze_startup_objects, serve_announced
@@ -40,6 +40,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of requests that bring none")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
     p.add_argument("--device", default="cpu", help="torch device")
+    p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None,
+                   help="decode attention: the native paged kernel (built by `make install`), plain torch, or auto "
+                        "(native when built, else torch); default $PDSERVE_ATTENTION_BACKEND, else auto")
     p.add_argument("--role", choices=ROLES, default=None,
                    help="shorthand for the instance's role; --kv-transfer-config gives full control")
     p.add_argument("--kv-transfer-config", type=json_object, default=None,
@@ -90,7 +93,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gib=args.kv_cache_memory_gib,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
-        seed=args.seed, num_threads=args.threads, device=args.device, role=role, kv_transfer_config=kv_config,
+        seed=args.seed, num_threads=args.threads, device=args.device,
+        attention_backend=args.attention_backend, role=role, kv_transfer_config=kv_config,
         ec_transfer_config=args.ec_transfer_config or {}, encoder_cache_size=args.encoder_cache_size,
         allowed_local_media_path=args.allowed_local_media_path, allow_remote_media=args.allow_remote_media,
     )

@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from pdserve.integrations.vllm.info import make_prom_metrics
 from pdserve.integrations.vllm.scheduler import VllmSchedulerSide
 from pdserve.integrations.vllm.settings import read_settings
+from pdserve.integrations.vllm.stats import PdTransferStats
 from pdserve.integrations.vllm.worker import VllmWorkerSide
 from pdserve.kv_transfer.pd_connector import PdConnectorMetadata
 
@@ -47,6 +48,10 @@ class PdConnector(KVConnectorBase_V1, SupportsHMA):
                            per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics:
         return make_prom_metrics(KVConnectorPromMetrics, vllm_config, metric_types, labelnames,
                                  per_engine_labelvalues)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PdTransferStats:
+        return PdTransferStats(data=dict(data or {}))
 
     # == scheduler side ===================================================================================
     def on_new_request(self, request: Any) -> None:
@@ -122,6 +127,10 @@ class PdConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
         return results.finished_sending, results.finished_recving
+
+    def get_kv_connector_stats(self) -> PdTransferStats | None:
+        values = self._worker.changed_metrics() if self._worker is not None else None
+        return PdTransferStats(data=values) if values is not None else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.load_errors() if self._worker is not None else set()

@@ -25,12 +25,13 @@ from pdserve.kv_transfer.data_plane.regions import BlockRegions
 from pdserve.kv_transfer.factory import agent_config, connector_halves, weight_fingerprint
 from pdserve.kv_transfer.layouts import vllm_cpu_layout
 from pdserve.kv_transfer.messages import PROTOCOL_VERSION
+from pdserve.kv_transfer.metrics import transfer_metric_values
 from pdserve.kv_transfer.pd_connector import PdConnectorMetadata, PdConnectorWorker
 
 # Inside vLLM the cache is vLLM's memory (a tensor per layer), served over the planes that address any layout's
-# blocks per layer: tcp copies their bytes, NIXL registers each layer's tensor once. "auto" serves every
-# installed one.
-PLANES = ("tcp", "nixl")
+# blocks per layer: shm by cross-memory attach (one host), tcp copies their bytes, NIXL registers each layer's
+# tensor once. "auto" serves every installed one.
+PLANES = ("shm", "tcp", "nixl")
 
 
 def model_fingerprint(model: str) -> str:
@@ -53,10 +54,11 @@ class VllmWorkerSide:
         self.settings = settings
         self.agent: TransferAgent | None = None
         self.half: PdConnectorWorker | None = None
+        self._reported: dict[str, float] = {}
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], vllm_version: str) -> None:
         s = self.settings
-        preferred = str(s.extra.get("data_plane", "tcp"))
+        preferred = str(s.extra.get("data_plane", "auto"))
         if preferred not in ("auto", *PLANES):
             raise ValueError(f"inside vLLM PdConnector serves the {', '.join(PLANES)} data plane, not {preferred}")
         regions = BlockRegions.from_layers(list(kv_caches.values()))
@@ -96,7 +98,18 @@ class VllmWorkerSide:
             return set(), set(), set()
         sending, recving = self.half.get_finished({ReqId(r) for r in finished_req_ids})
         failed = self.half.get_failed_recving() | set(self.half.get_refused_recving())
+        self.half.get_transfer_records()  # pdserve's engine times transfers from these; vLLM has its own timings
         return set(sending), set(recving), set(failed)
+
+    def changed_metrics(self) -> dict[str, float] | None:
+        """Every transfer metric's value, when any changed since the last call (vLLM ships them with a step)."""
+        if self.agent is None or self.half is None:
+            return None
+        values = transfer_metric_values(self.agent, self.half)
+        if values == self._reported:
+            return None
+        self._reported = values
+        return values
 
     def load_errors(self) -> set[int]:
         return self.half.get_block_ids_with_load_errors() if self.half is not None else set()

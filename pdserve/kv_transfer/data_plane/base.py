@@ -58,6 +58,8 @@ class DataPlane(ABC):
     # Whether a peer's every write into this pool passes `authorize` first: the owner then knows when the last
     # write it let in started (shared memory's peer writes without asking).
     authorizes_writes: bool = True
+    # Whether its channels implement `read_into` (reads of another engine's layout, staged to be regrouped).
+    stages_reads: bool = False
 
     def __init__(self, host: str = "127.0.0.1") -> None:
         self.host = host

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import torch
 
 
-
 class DataPlaneError(RuntimeError):
     pass
 
@@ -36,6 +35,7 @@ def check_block_ids(block_ids: list[int], num_blocks: int) -> None:
 class _Layer:
     data: memoryview  # the layer's bytes for block 0 onwards
     stride: int  # bytes from one block to the next
+    address: int  # where `data` starts in this process's memory, for planes that copy between processes
 
 
 class BlockRegions:
@@ -57,7 +57,8 @@ class BlockRegions:
         data = byte_view(kv)
         block_bytes = kv[0].numel() * kv.element_size()
         layer_bytes = block_bytes // kv.shape[1]
-        layers = [_Layer(data[i * layer_bytes:], block_bytes) for i in range(kv.shape[1])]
+        layers = [_Layer(data[i * layer_bytes:], block_bytes, kv.data_ptr() + i * layer_bytes)
+                  for i in range(kv.shape[1])]
         return cls(layers, layer_bytes, kv.shape[0], contiguous=True)
 
     @classmethod
@@ -69,8 +70,12 @@ class BlockRegions:
         if not all(t.is_contiguous() for t in tensors):
             raise DataPlaneError("a per-layer KV tensor is not contiguous")
         layer_bytes = first[0].numel() * first.element_size()
-        return cls([_Layer(byte_view(t), layer_bytes) for t in tensors], layer_bytes, first.shape[0],
+        return cls([_Layer(byte_view(t), layer_bytes, t.data_ptr()) for t in tensors], layer_bytes, first.shape[0],
                    contiguous=len(tensors) == 1)
+
+    def layer_extents(self) -> list[tuple[int, int]]:
+        """(address of block 0's bytes, stride) per layer: where another process on this host finds them."""
+        return [(entry.address, entry.stride) for entry in self._layers]
 
     def layer_view(self, block: int, layer: int) -> memoryview:
         entry = self._layers[layer]

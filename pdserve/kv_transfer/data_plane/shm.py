@@ -1,8 +1,10 @@
-"""Same-host shared memory: the KV pool lives in a memfd, and a peer maps it and copies blocks itself.
+"""Same-host shared memory: a peer on this host copies blocks itself, one-sided, and is refused across hosts.
 
-The owner's process does no per-block work (one-sided): it only hands the memfd to a peer once, over a Unix
-socket. A memfd has no name in /dev/shm, so when the last process holding it exits (even by SIGKILL) the kernel
-frees it: nothing can leak.
+pdserve's own pool lives in a memfd, which the owner hands to a peer once over a Unix socket; the peer maps it.
+A memfd has no name in /dev/shm, so when the last process holding it exits (even by SIGKILL) the kernel frees
+it: nothing can leak. A cache another engine allocated (vLLM's tensor per layer, ordinary process memory) cannot
+be handed over that way: there the socket only proves the peer is on this host and names its process, and
+blocks move by cross-memory attach (`cma.py`), the kernel copying straight between the two processes.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from typing import Any
 
 import torch
 
-from pdserve.kv_transfer.data_plane.base import (DataPlane, DataPlaneError, PeerChannel, accept_until_stopped,
-                                                 block_runs, check_block_ids)
+from pdserve.kv_transfer.data_plane.base import (BlockRegions, DataPlane, DataPlaneError, PeerChannel,
+                                                 accept_until_stopped, block_runs, check_block_ids)
+from pdserve.kv_transfer.data_plane.cma import CmaPeer, Probe, owner_info, peer_pid
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -139,6 +142,7 @@ class ShmDataPlane(DataPlane):
         self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        self._probe: Probe | None = None  # set when serving another engine's cache by cross-memory attach
 
     def allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
@@ -150,6 +154,11 @@ class ShmDataPlane(DataPlane):
         kv.zero_()
         self.attach(kv)
         return kv
+
+    def attach_regions(self, regions: BlockRegions) -> None:
+        """Another engine's cache, in this process's memory: peers on this host copy it by cross-memory attach."""
+        self.regions = regions
+        self._probe = Probe()
 
     def start(self, authorize) -> None:
         super().start(authorize)
@@ -169,7 +178,10 @@ class ShmDataPlane(DataPlane):
             if not _same_user(conn):
                 return  # the abstract socket is reachable by every local user; the KV is only for ours
             try:
-                socket.send_fds(conn, [b"kv"], [self.fd])
+                if self.fd is None:
+                    conn.sendall(b"cma")  # the peer reads our pid off the socket and our memory directly
+                else:
+                    socket.send_fds(conn, [b"kv"], [self.fd])
             except OSError:
                 pass
 
@@ -181,20 +193,30 @@ class ShmDataPlane(DataPlane):
             self._thread.join(2)
 
     def local_info(self) -> dict[str, Any]:
+        info = {"socket": self.socket_name, "host_id": host_identity()}
+        if self._probe is not None and self.regions is not None:
+            return {**info, "cma": owner_info(self.regions, self._probe)}
         assert self.kv is not None
-        return {"socket": self.socket_name, "host_id": host_identity(), "shape": list(self.kv.shape),
-                "dtype": str(self.kv.dtype).removeprefix("torch.")}
+        return {**info, "shape": list(self.kv.shape), "dtype": str(self.kv.dtype).removeprefix("torch.")}
 
     def connect(self, info: dict[str, Any]) -> PeerChannel:
         if info.get("host_id") != host_identity():
             raise DataPlaneError("the shm data plane needs both instances on one host; use the tcp data plane")
-        if self.kv is None:
+        if self.regions is None:
             raise DataPlaneError("the local KV pool is not allocated")
+        if "cma" not in info and self.kv is None:
+            raise DataPlaneError("the peer shares pdserve's own KV pool, which this instance's cache cannot map")
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.settimeout(5)
             try:
                 conn.connect("\0" + info["socket"])
-                _, fds, _, _ = socket.recv_fds(conn, 16, 1)
+                greeting, fds, _, _ = socket.recv_fds(conn, 16, 1)
+                if "cma" in info:
+                    for fd in fds:
+                        os.close(fd)
+                    if greeting != b"cma":
+                        raise DataPlaneError("the peer did not admit us to its memory (another user?)")
+                    return CmaPeer(peer_pid(conn), info["cma"], self.regions)
             except OSError as exc:
                 raise DataPlaneError(f"cannot reach the peer's shared memory: {exc}") from exc
         if not fds:

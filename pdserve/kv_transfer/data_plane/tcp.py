@@ -118,6 +118,7 @@ def sorted_pairs(remote_ids: list[int], local_ids: list[int]) -> tuple[list[int]
 
 class TcpDataPlane(DataPlane):
     name = "tcp"
+    stages_reads = True
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         super().__init__(host)

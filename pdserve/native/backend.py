@@ -1,0 +1,60 @@
+"""Which decode attention an engine uses: the native paged kernel or the plain-torch path.
+
+`auto` takes the native kernel when its library is already in the build cache and falls back to torch otherwise
+(no compiler, a failed build, a device other than the CPU, a dtype the kernel lacks); `native` builds it if needed
+and fails startup when it cannot be had; `torch` never loads it. The engine's config names the choice, else
+$PDSERVE_ATTENTION_BACKEND, else `auto`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from pdserve.config import ATTENTION_BACKENDS
+from pdserve.layers.attention import DecodeKernel
+from pdserve.native.build import cached_library, ensure_built, load_library
+
+log = logging.getLogger(__name__)
+
+ENV_VAR = "PDSERVE_ATTENTION_BACKEND"
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def requested_backend(configured: str | None) -> str:
+    choice = configured or os.environ.get(ENV_VAR) or "auto"
+    if choice not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {choice!r}; choose one of {', '.join(ATTENTION_BACKENDS)}")
+    return choice
+
+
+def native_decode(q: torch.Tensor, layer_cache: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    return torch.ops.pdserve.paged_decode(q, layer_cache, table, lengths, scale)
+
+
+def choose_decode_kernel(configured: str | None, device: torch.device, dtype: torch.dtype) -> DecodeKernel | None:
+    """The native kernel, or None for the torch path; says once, in the log, which one and why."""
+    choice = requested_backend(configured)
+    kernel, why = _resolve(choice, device, dtype)
+    if kernel is None and choice == "native":
+        raise RuntimeError(f"--attention-backend native: {why}")
+    log.info("decode attention: %s (%s)", "native paged kernel" if kernel else "torch", why)
+    return kernel
+
+
+def _resolve(choice: str, device: torch.device, dtype: torch.dtype) -> tuple[DecodeKernel | None, str]:
+    if choice == "torch":
+        return None, "asked for"
+    if device.type != "cpu" or dtype not in NATIVE_DTYPES:
+        return None, f"the native kernel serves fp32 and bf16 on CPU, not {dtype} on {device.type}"
+    try:
+        path = ensure_built() if choice == "native" else cached_library()
+        if not path.exists():
+            return None, "the native kernel is not built; `python -m pdserve.native` builds it (make install does)"
+        load_library(path)
+    except Exception as exc:  # noqa: BLE001 - any build or load failure leaves the torch path, which always works
+        return None, f"the native kernel failed to build or load: {exc}"
+    return native_decode, f"loaded from {path}"
