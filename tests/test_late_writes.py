@@ -10,6 +10,7 @@ of its blocks changes.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
@@ -21,7 +22,7 @@ from server_utils import data_planes
 from pdserve.ids import ReqId, TransferId
 from pdserve.kv_transfer.agent import AgentConfig, TransferAgent
 from pdserve.kv_transfer.data_plane import DATA_PLANES, DataPlaneError, make_data_plane
-from pdserve.kv_transfer.messages import WriteDone
+from pdserve.kv_transfer.messages import PushRegister, Release
 from pdserve.kv_transfer.pull_consumer import LoadJob
 from pdserve.kv_transfer.push import consumer as push_consumer
 from pdserve.kv_transfer.push.specs import PushRegistration
@@ -91,24 +92,30 @@ def assert_untouched_after(d: TransferAgent, result: LoadResult, mover_ended) ->
     assert d.stats.blocks_quarantined == 0
 
 
+def register(p: TransferAgent, d: TransferAgent, transfer: str, deadline_s: float) -> PushRegister:
+    """D registers blocks with P; what P received."""
+    d.push_consumer.expect(PushRegistration(ReqId("r"), TransferId(transfer), "127.0.0.1", p.port, "P", 0,
+                                            tuple(BLOCKS), 32, "tok"), deadline_s)
+    for _ in range(500):
+        received = p.push_producer.take_registrations()
+        if received:
+            return received[0]
+        time.sleep(0.01)
+    raise AssertionError("P never received D's registration")
+
+
 def test_a_push_given_up_on_keeps_its_blocks_until_the_producer_stopped(agents, plane):
     """P's write was let in before D's registration timed out and lands after: D reports the push failed only
-    once P's last word (sent after its write, as P's serial writer does) came in."""
+    once P answered its release, which P does once none of its writes can land any more."""
     p, d = agents
-    token, transfer = "tok", TransferId("t-push")
-    channel = channel_to(p, d)
-    slowed(channel, plane, "write")
-    d.push_consumer.expect(PushRegistration(ReqId("r"), transfer, "127.0.0.1", p.port, "P", 0, tuple(BLOCKS), 32,
-                                            token), DEADLINE_S)
+    slowed(channel_to(p, d), plane, "write")
+    registration = register(p, d, "t-push", DEADLINE_S)
 
     def producer() -> None:
         try:
-            channel.write_blocks(transfer, token, [0, 1], BLOCKS)
+            p.push_producer.write_blocks(registration, [0, 1], BLOCKS, None)
         except DataPlaneError:
             pass  # tcp: D checks the write when its bytes come, and refuses it by then
-        finally:
-            p.rt.call(p.peers.notify("127.0.0.1", d.port, WriteDone(transfer_id=transfer, token=token, ok=False,
-                                                                     error="released by the consumer")))
 
     mover = threading.Thread(target=producer)
     mover.start()
@@ -121,11 +128,16 @@ def test_a_push_given_up_on_keeps_its_blocks_until_the_producer_stopped(agents, 
 
 
 def test_a_silent_producer_is_waited_out_for_the_in_flight_bound_only(agents, plane, monkeypatch):
-    """No word from P: the quarantine ends when a write granted before D gave up has surely ended."""
+    """No answer from P: the quarantine ends when a write let in before D gave up has surely ended (at once
+    where none was let in; where writes come unseen, as over shared memory, after the bound)."""
     p, d = agents
     monkeypatch.setattr(push_consumer, "IN_FLIGHT_BOUND_S", 1.0)
-    d.push_consumer.expect(PushRegistration(ReqId("r"), TransferId("t-silent"), "127.0.0.1", p.port, "P", 0,
-                                            tuple(BLOCKS), 32, "tok"), DEADLINE_S)
+
+    async def silent(message):
+        await asyncio.sleep(3600)
+
+    p._handlers[Release] = silent
+    register(p, d, "t-silent", DEADLINE_S)
     result = first_result(d, d.push_consumer.take_completed, timeout_s=30)
     assert not result.ok and "no write-done" in result.error
     assert d.stats.blocks_quarantined == 0 and d.push_consumer.num_expected() == 0

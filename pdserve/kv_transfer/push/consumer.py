@@ -21,7 +21,7 @@ from pdserve.ids import ReqId, TransferId
 from pdserve.kv_transfer.data_plane import DataPlaneError
 from pdserve.kv_transfer.data_plane.base import IN_FLIGHT_BOUND_S
 from pdserve.kv_transfer.integrity import invalid_blocks
-from pdserve.kv_transfer.messages import Ack, PushRegister, WriteDone
+from pdserve.kv_transfer.messages import Ack, PushRegister, Release, WriteDone
 from pdserve.kv_transfer.peers import Peers
 from pdserve.kv_transfer.push.specs import PushRegistration
 from pdserve.kv_transfer.runtime import AgentRuntime, LoadResult
@@ -193,8 +193,6 @@ class PushConsumer:
         """Stop waiting for the producer, but keep the blocks until it says nothing more will land (or no write
         D let in can still be moving)."""
         self.rt.stats.push_registration_timeouts += 1
-        asyncio.create_task(self.peers.release(expectation.host, expectation.port, expectation.transfer_id,
-                                               expectation.token, "registration timed out"))
         plane = self.rt.config.planes.get(expectation.plane)
         unseen = plane is None or not plane.authorizes_writes  # P may have started a write just now
         last_write = now if unseen else expectation.last_write
@@ -203,6 +201,25 @@ class PushConsumer:
             if last_write is not None and last_write + IN_FLIGHT_BOUND_S > now:
                 expectation.settle_by = last_write + IN_FLIGHT_BOUND_S
                 self.rt.stats.blocks_quarantined += len(expectation.block_ids)
+                asyncio.create_task(self._stop_producer(expectation))
                 return
+        asyncio.create_task(self.peers.release(expectation.host, expectation.port, expectation.transfer_id,
+                                               expectation.token, "registration timed out"))
         self._complete(expectation.transfer_id, ok=False,
                        error=f"no write-done within {self.rt.config.push_timeout_s} s")
+
+    async def _stop_producer(self, expectation: PushExpectation) -> None:
+        """Release the transfer until the producer answers (it answers once none of its writes can land any
+        more), then end the quarantine; `watch` ends it at its bound if no answer comes."""
+        release = Release(key=expectation.transfer_id, token=expectation.token, reason="registration timed out")
+        while expectation.transfer_id in self._expected:
+            try:
+                reply = await self.peers.request(expectation.host, expectation.port, release)
+            except Exception as exc:  # noqa: BLE001 - asked again (a lost message); the bound covers a dead peer
+                log.debug("release of %s not answered (%s); asking again", expectation.transfer_id, exc)
+                await asyncio.sleep(0.5)
+                continue
+            if isinstance(reply, Ack) and reply.ok:
+                self._complete(expectation.transfer_id, ok=False,
+                               error=f"no write-done within {self.rt.config.push_timeout_s} s")
+            return

@@ -2,13 +2,17 @@
 
 Registrations and releases arrive on the agent's loop and wait here until the engine thread's
 ``PushProducer`` takes them at its next step. Writes go out on one writer thread, so a transfer's writes land
-in the order they were issued (catch-up before layers) and its write-done follows the last of them.
+in the order they were issued (catch-up before layers) and its write-done follows the last of them. A release
+is answered only once no write of its transfer can land any more: the writer skips a released transfer from the
+moment the release arrives, and a write already moving is waited out; so the answer lets the consumer reuse the
+blocks it gave up on.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 from pdserve.ids import TransferId
@@ -18,6 +22,10 @@ from pdserve.kv_transfer.messages import Ack, PushRegister, WriteDone
 from pdserve.kv_transfer.peers import Peers
 from pdserve.kv_transfer.runtime import AgentRuntime
 
+# Released transfers the writer must skip, remembered for as long as writes for them may still be queued: a
+# bounded number, far more than are ever in flight.
+_STOPPED_REMEMBERED = 4096
+
 
 class ProducerLink:
     def __init__(self, rt: AgentRuntime, peers: Peers) -> None:
@@ -26,6 +34,8 @@ class ProducerLink:
         self._lock = threading.Lock()
         self._registrations: list[PushRegister] = []  # arrived, not yet taken by the engine thread
         self._releases: dict[TransferId, str] = {}  # transfer_id -> token, transfers the consumer gave up on
+        self._stopped: OrderedDict[TransferId, str] = OrderedDict()  # the same, for the writer to skip
+        self._writing = threading.Lock()  # held while the writer moves bytes
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdserve-push-writer")
 
     # -- the agent's loop ----------------------------------------------------------------------------------
@@ -35,10 +45,19 @@ class ProducerLink:
         self.rt.on_event()
         return Ack(ok=True)
 
-    def on_release(self, key: str, token: str) -> None:
-        """A release for no lease may be a push transfer's: the producer checks at its next step."""
+    async def on_release(self, key: str, token: str) -> None:
+        """A release for no lease may be a push transfer's: the producer checks at its next step, the writer at
+        once; returns when a write already moving has ended."""
         with self._lock:
             self._releases[TransferId(key)] = token
+            self._stopped[TransferId(key)] = token
+            while len(self._stopped) > _STOPPED_REMEMBERED:
+                self._stopped.popitem(last=False)
+        await self.rt.off_loop(self._wait_for_writer)
+
+    def _wait_for_writer(self) -> None:
+        with self._writing:
+            pass
 
     # -- engine thread -------------------------------------------------------------------------------------
     def take_registrations(self) -> list[PushRegister]:
@@ -73,8 +92,13 @@ class ProducerLink:
         if not pairs:
             return
         local_ids, remote_ids = [s for s, _ in pairs], [d for _, d in pairs]
-        self.rt.stats.push_bytes_sent += peer.channel.write_blocks(registration.transfer_id, registration.token,
-                                                                   local_ids, remote_ids, layer)
+        with self._writing:
+            with self._lock:
+                released = self._stopped.get(registration.transfer_id) == registration.token
+            if released:
+                raise DataPlaneError("released by the consumer")
+            self.rt.stats.push_bytes_sent += peer.channel.write_blocks(registration.transfer_id, registration.token,
+                                                                       local_ids, remote_ids, layer)
         self.rt.stats.push_writes += 1
 
     def send_write_done(self, registration: PushRegister, ok: bool, error: str = "",
