@@ -37,13 +37,14 @@ def pair(plane):
 
 def test_an_engine_failure_is_a_prompt_data_plane_error(pair):
     owner, reader, channel = pair
-    unregistered = owner.pool.addr + owner.pool.nbytes + (1 << 20)
+    unregistered = max(addr + n for addr, n in owner.layout.memory()) + (1 << 20)
+    here = reader.layout.bases[0]
     start = time.monotonic()
     with pytest.raises(DataPlaneError, match="failed"):
-        reader.engine.transfer(channel.session, "read", [(reader.pool.addr, unregistered, 4096)],
+        reader.engine.transfer(channel.session, "read", [(here, unregistered, 4096)],
                                time.monotonic() + 30)
     with pytest.raises(DataPlaneError, match="failed"):
-        reader.engine.transfer("127.0.0.1:1", "read", [(reader.pool.addr, owner.pool.addr, 4096)],
+        reader.engine.transfer("127.0.0.1:1", "read", [(here, owner.layout.bases[0], 4096)],
                                time.monotonic() + 30)
     assert time.monotonic() - start < 10
     assert torch.count_nonzero(reader.kv) == 0

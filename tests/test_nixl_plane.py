@@ -190,13 +190,13 @@ def test_a_write_past_its_deadline_lands_nothing_after_the_call_returns(plane):
 
 
 def test_a_cache_with_a_tensor_per_layer_moves_per_block_and_layer(plane):
-    """vLLM's layout (one tensor per layer, each registered once): reads move every layer of the blocks named,
-    a layer write only that layer, byte for byte, between two planes in this process."""
+    """vLLM's layout (one tensor per layer, each registered once with the engine): reads move every layer of the
+    blocks named, a layer write only that layer, byte for byte, between two planes in this process."""
     if plane not in DATA_PLANES:
-        pytest.fail("NIXL is not installed")
+        pytest.fail(f"the {plane} data plane's engine is not installed")
     theirs = [torch.arange(8 * 64, dtype=torch.float32).view(8, 2, 32) + 1000 * layer for layer in range(3)]
     mine = [torch.zeros(6, 2, 32) for _ in range(3)]
-    owner, local = make_data_plane("nixl", "127.0.0.1"), make_data_plane("nixl", "127.0.0.1")
+    owner, local = make_data_plane(plane, "127.0.0.1"), make_data_plane(plane, "127.0.0.1")
     owner.attach_regions(BlockRegions.from_layers(theirs))
     local.attach_regions(BlockRegions.from_layers(mine))
     owner.start(lambda op, key, token, ids: None if token == "t" else "wrong transfer token")

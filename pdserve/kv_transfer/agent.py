@@ -173,7 +173,7 @@ class TransferAgent:
         self.stats.releases_received += 1
         is_hold = self.pull_producer.is_held(message.key)
         if not is_hold:
-            self.push_producer.on_release(message.key, message.token)  # the engine thread checks at its next step
+            await self.push_producer.on_release(message.key, message.token)  # answered once no write can land
         self.rt.on_event()
         return self.pull_producer.end(message.key, message.token) if is_hold else Ack(ok=True)
 

@@ -33,6 +33,8 @@ TRANSFER_METRICS = (
     TransferMetric("gauge", "pdserve:kv_leases_held", "Transfers whose KV this producer holds for a consumer."),
     TransferMetric("gauge", "pdserve:kv_transfer_map_size", "Transfer ids mapped to requests in flight."),
     TransferMetric("gauge", "pdserve:kv_push_expected", "Pushes this consumer has registered and awaits."),
+    TransferMetric("gauge", "pdserve:kv_blocks_quarantined", "KV blocks of transfers this consumer gave up on that a "
+                   "peer may still be moving bytes into: held, not leaked, until it stopped."),
     TransferMetric("counter", "pdserve:kv_push_writes", "Layer writes pushed to consumers."),
     TransferMetric("counter", "pdserve:kv_push_bytes_sent", "KV bytes pushed to consumers."),
     TransferMetric("counter", "pdserve:kv_push_done_ok", "Pushes that completed."),
@@ -47,7 +49,7 @@ def transfer_metric_values(agent: TransferAgent, worker: PdConnectorWorker) -> d
     s = agent.stats
     values = (s.bytes_received, s.loads_ok, s.loads_failed, s.load_seconds_total, s.leases_expired,
               s.releases_received, s.read_done_received, s.handshake_refusals, s.reads_denied, s.blocks_invalid,
-              agent.num_leases(), len(worker.translator), agent.num_expected(), s.push_writes, s.push_bytes_sent,
+              agent.num_leases(), len(worker.translator), agent.num_expected(), s.blocks_quarantined, s.push_writes, s.push_bytes_sent,
               s.push_done_ok, s.push_done_failed, s.push_registration_timeouts,
               worker.push.expired if worker.push else 0)
     return {metric.name: float(value) for metric, value in zip(TRANSFER_METRICS, values, strict=True)}

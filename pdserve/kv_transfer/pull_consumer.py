@@ -2,7 +2,10 @@
 
 D reads a producer's held blocks over the data plane after a read grant (which also brings their checksums),
 then tells P it is done. While a request still needs its remote KV, D's heartbeats keep P's lease alive; when
-D gives up, it asks P to free the blocks at once rather than wait for the lease to run out.
+D gives up, it asks P to free the blocks at once rather than wait for the lease to run out. A read abandoned at
+the load's deadline goes on moving bytes into D's blocks on the executor (nothing cancels a socket read or a
+one-sided READ midway): the load fails only once that read ended, so its blocks are never recomputed in or
+reused while it runs; the read's own deadline bounds the wait (`IN_FLIGHT_BOUND_S`).
 """
 
 from __future__ import annotations
@@ -11,8 +14,10 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pdserve.ids import ReqId
 from pdserve.kv_transfer.data_plane import DataPlaneError
@@ -97,9 +102,11 @@ class PullConsumer:
     # -- the agent's loop ----------------------------------------------------------------------------------
     async def _load(self, job: LoadJob) -> None:
         started = time.monotonic()
+        moving: list[Future] = []
         try:
-            nbytes, invalid, plane = await asyncio.wait_for(self._read(job), job.deadline_s)
+            nbytes, invalid, plane = await asyncio.wait_for(self._read(job, moving), job.deadline_s)
         except Exception as exc:  # noqa: BLE001 - any failure must fail this load, never strand the request
+            await self._wait_out(job, moving)
             await self._failed(job, exc, started)
             return
         seconds = time.monotonic() - started
@@ -136,7 +143,26 @@ class PullConsumer:
             self._completed.append(result)
         self.rt.on_event()
 
-    async def _read(self, job: LoadJob) -> tuple[int, list[int], str]:
+    async def _move(self, moving: list[Future], fn: Callable[..., Any], *args: Any) -> Any:
+        """Run a read into our blocks on the executor, remembered in `moving` so a load that gives up on it can
+        wait it out (cancelling the wait leaves the thread running)."""
+        future = self.rt.executor.submit(fn, *args)
+        moving.append(future)
+        return await asyncio.wrap_future(future)
+
+    async def _wait_out(self, job: LoadJob, moving: list[Future]) -> None:
+        """Hold the load's blocks (quarantined) until a read still running into them ended."""
+        running = [future for future in moving if not future.done()]
+        if not running:
+            return
+        quarantined = len(job.local_block_ids)
+        self.rt.stats.blocks_quarantined += quarantined
+        try:
+            await asyncio.wait([asyncio.wrap_future(future) for future in running])
+        finally:
+            self.rt.stats.blocks_quarantined -= quarantined
+
+    async def _read(self, job: LoadJob, moving: list[Future]) -> tuple[int, list[int], str]:
         """Copy the granted blocks; returns (bytes, local blocks whose checksum did not match, data plane)."""
         peer = await self.peers.peer(job.host, job.port, job.engine_id)
         grant = await self.peers.request(
@@ -151,10 +177,10 @@ class PullConsumer:
             await asyncio.sleep(stall)
         local = list(job.local_block_ids)
         if peer.regrouper is not None:
-            nbytes, invalid = await self.rt.off_loop(self._read_regrouped, peer, job, local, grant.checksums)
+            nbytes, invalid = await self._move(moving, self._read_regrouped, peer, job, local, grant.checksums)
             return nbytes, invalid, peer.plane
-        nbytes = await self.rt.off_loop(peer.channel.read_blocks, job.key, job.token, list(job.remote_block_ids),
-                                        local)
+        nbytes = await self._move(moving, peer.channel.read_blocks, job.key, job.token, list(job.remote_block_ids),
+                                  local)
         if faults.enabled:
             faults.damage(self.rt.regions, local, faults.lost_blocks(local))
         invalid = await self.rt.off_loop(invalid_blocks, self.rt.regions, local, grant.checksums)

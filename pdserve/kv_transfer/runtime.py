@@ -65,6 +65,9 @@ class AgentStats:
     push_done_ok: int = 0
     push_done_failed: int = 0
     push_registration_timeouts: int = 0
+    # A gauge: blocks of transfers D gave up on that a peer may still be moving bytes into, held until it says
+    # it stopped (or its transfer has surely ended); in use, but not leaked.
+    blocks_quarantined: int = 0
 
     def count_load(self, nbytes: int, seconds: float) -> None:
         self.loads_ok += 1

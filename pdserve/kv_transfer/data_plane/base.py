@@ -18,8 +18,16 @@ import torch
 
 from pdserve.kv_transfer.data_plane.regions import BlockRegions, DataPlaneError, byte_view, check_block_ids
 
-__all__ = ["Authorizer", "BlockRegions", "DataPlane", "DataPlaneError", "PeerChannel", "accept_until_stopped",
-           "block_runs", "byte_view", "check_block_ids"]
+__all__ = ["DRAIN_S", "IN_FLIGHT_BOUND_S", "SOCKET_TIMEOUT_S", "Authorizer", "BlockRegions", "DataPlane",
+           "DataPlaneError", "PeerChannel", "accept_until_stopped", "block_runs", "byte_view", "check_block_ids"]
+
+# A transfer call gives up after SOCKET_TIMEOUT_S; a one-sided engine cannot cancel a transfer still moving
+# then, so the call waits it out up to DRAIN_S more before it returns. Memory a peer may be moving bytes into is
+# therefore settled at the latest IN_FLIGHT_BOUND_S after the peer's transfer started: its owner reuses it no
+# sooner, unless the peer said earlier that nothing more will land.
+SOCKET_TIMEOUT_S = 30.0
+DRAIN_S = 30.0
+IN_FLIGHT_BOUND_S = SOCKET_TIMEOUT_S + DRAIN_S
 
 # (op, key, token, block_ids) -> None if allowed, else the reason it is refused. op is "read" or "write".
 Authorizer = Callable[[str, str, str, list[int]], str | None]
@@ -53,6 +61,9 @@ class PeerChannel(ABC):
 
 class DataPlane(ABC):
     name: str = ""
+    # Whether a peer's every write into this pool passes `authorize` first: the owner then knows when the last
+    # write it let in started (shared memory's peer writes without asking).
+    authorizes_writes: bool = True
     # Whether its channels implement `read_into` and `write_from` (transfers with another engine's layout, staged
     # to be regrouped).
     stages: bool = False

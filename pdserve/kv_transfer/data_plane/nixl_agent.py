@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from pdserve.kv_transfer.data_plane.regions import DataPlaneError
+from pdserve.kv_transfer.data_plane.base import DRAIN_S, DataPlaneError
+from pdserve.kv_transfer.data_plane.one_sided import pause
 
 NIXL_INSTALL_HINT = "pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1"
 LOCAL = "NIXL_INIT_AGENT"  # the owner named when preparing this agent's own descriptors
@@ -28,21 +29,12 @@ LOCAL = "NIXL_INIT_AGENT"  # the owner named when preparing this agent's own des
 # Notifications that arrived with no waiter yet (an owner answers a grant before the initiator starts) are
 # kept, a bounded number of them, until their waiter comes.
 _UNCLAIMED_NOTIFS = 4096
-# Polling backs off from a busy poll to this pause: short transfers finish in microseconds, long ones are not
-# slowed by a millisecond, and a stalled one does not spin a core until its deadline.
-_MAX_PAUSE_S = 0.001
-# How long a transfer still moving bytes at its deadline is waited out before its caller is told it failed.
-_DRAIN_S = 30.0
 
 log = logging.getLogger(__name__)
 
 
 class NixlUnavailable(DataPlaneError):
     """NIXL is not installed, or its UCX backend did not start."""
-
-
-def pause(attempt: int) -> float:
-    return min(_MAX_PAUSE_S, 0.00001 * (2 ** min(attempt, 10))) if attempt else 0.0
 
 
 def memory_kind(device: torch.device) -> tuple[str, int]:
@@ -139,7 +131,7 @@ class NixlAgent:
     def _run(self, op: str, handle: Any, deadline: float) -> None:
         """Post the transfer and poll it until done or the deadline; its handle is released either way.
 
-        A transfer still posted at its deadline is waited out (up to `_DRAIN_S` more) before the error is
+        A transfer still posted at its deadline is waited out (up to `DRAIN_S` more) before the error is
         raised: UCX does not cancel it when its handle is released, and its remaining bytes would land when this
         agent next progresses, in memory the caller is about to give back (blocks D reuses after a failed push,
         D's own blocks after a failed read)."""
@@ -148,8 +140,8 @@ class NixlAgent:
                 state = self.agent.transfer(handle)
             state = self._poll(op, handle, state, deadline)
             if state == "PROC":
-                if self._poll(op, handle, state, time.monotonic() + _DRAIN_S) == "PROC":
-                    log.warning("a nixl %s past its deadline was still moving bytes %g s later", op, _DRAIN_S)
+                if self._poll(op, handle, state, time.monotonic() + DRAIN_S) == "PROC":
+                    log.warning("a nixl %s past its deadline was still moving bytes %g s later", op, DRAIN_S)
                 raise DataPlaneError(f"nixl {op} did not finish by its deadline")
             if state != "DONE":
                 raise DataPlaneError(f"nixl {op} failed ({state})")

@@ -131,6 +131,7 @@ class ShmPeer(PeerChannel):
 
 class ShmDataPlane(DataPlane):
     name = "shm"
+    authorizes_writes = False
 
     def __init__(self, host: str = "127.0.0.1") -> None:
         super().__init__(host)

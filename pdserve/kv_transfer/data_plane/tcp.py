@@ -16,12 +16,11 @@ from typing import Any
 import msgspec
 import torch
 
-from pdserve.kv_transfer.data_plane.base import (BlockRegions, DataPlane, DataPlaneError, PeerChannel,
-                                                 accept_until_stopped)
+from pdserve.kv_transfer.data_plane.base import (SOCKET_TIMEOUT_S, BlockRegions, DataPlane, DataPlaneError,
+                                                 PeerChannel, accept_until_stopped)
 
 _LEN = struct.Struct("!I")
 _MAX_HEADER = 1 << 20
-SOCKET_TIMEOUT_S = 30.0
 
 
 def send_frame(sock: socket.socket, obj: dict[str, Any]) -> None:

