@@ -49,21 +49,3 @@ class Linear:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
-
-class RMSNorm:
-    """Root-mean-square norm computed in fp32 and cast back, exactly as Hugging Face Llama does."""
-
-    def __init__(self, weight: torch.Tensor, eps: float) -> None:
-        self.weight = weight
-        self.eps = eps
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        input_dtype = x.dtype
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(input_dtype)
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
