@@ -23,36 +23,33 @@
 namespace {
 
 using pdserve_native::exp_nonpositive;
+using pdserve_native::load_f32;
+using pdserve_native::round_to;
+using pdserve_native::store_f32;
 
 // About 32K elements per task: smaller rows share a task, so a region never spawns for a handful of values.
 constexpr int64_t kElementsPerTask = 32768;
 
 inline int64_t row_grain(int64_t width) { return std::max<int64_t>(1, kElementsPerTask / std::max<int64_t>(width, 1)); }
 
-template <typename T>
-inline T rounded(float x) { return static_cast<T>(x); }
-
 // One row: optionally sum = x + residual (rounded to T, as torch's add is), then out = w * T(sum / rms(sum)).
 template <typename T>
-void norm_row(const T* x, const T* residual, const T* w, T* out, T* sum, int64_t H, float eps) {
+void norm_row(const T* __restrict__ x, const T* __restrict__ residual, const T* __restrict__ w,
+              T* __restrict__ out, T* __restrict__ sum, int64_t H, float eps) {
   float squares = 0.0f;
   if (residual != nullptr) {
-    for (int64_t i = 0; i < H; ++i) {
-      const T s = rounded<T>(static_cast<float>(x[i]) + static_cast<float>(residual[i]));
-      sum[i] = s;
-    }
+#pragma omp simd
+    for (int64_t i = 0; i < H; ++i) store_f32(sum + i, load_f32(x + i) + load_f32(residual + i));
     x = sum;
   }
 #pragma omp simd reduction(+ : squares)
   for (int64_t i = 0; i < H; ++i) {
-    const float v = static_cast<float>(x[i]);
+    const float v = load_f32(x + i);
     squares += v * v;
   }
   const float inv = 1.0f / std::sqrt(squares / static_cast<float>(H) + eps);
-  for (int64_t i = 0; i < H; ++i) {
-    const float normed = static_cast<float>(rounded<T>(static_cast<float>(x[i]) * inv));
-    out[i] = rounded<T>(static_cast<float>(w[i]) * normed);
-  }
+#pragma omp simd
+  for (int64_t i = 0; i < H; ++i) store_f32(out + i, load_f32(w + i) * round_to<T>(load_f32(x + i) * inv));
 }
 
 template <typename T>
@@ -113,20 +110,20 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 // silu(g) = g / (1 + e^-g), written with e = exp(-|g|) so the exponent never overflows and never goes subnormal
 // (a large negative g made torch's silu take the slow subnormal path: 5x slower on a random model's activations).
 template <typename T>
+void silu_mul_row(const T* __restrict__ gate, const T* __restrict__ up, T* __restrict__ out, int64_t I) {
+#pragma omp simd
+  for (int64_t i = 0; i < I; ++i) {
+    const float g = load_f32(gate + i);
+    const float e = exp_nonpositive(-std::fabs(g));
+    const float silu = (g >= 0.0f ? g : g * e) / (1.0f + e);
+    store_f32(out + i, round_to<T>(silu) * load_f32(up + i));
+  }
+}
+
+template <typename T>
 void silu_mul_rows(const T* in, T* out, int64_t rows, int64_t I) {
   at::parallel_for(0, rows, row_grain(2 * I), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* gate = in + r * 2 * I;
-      const T* up = gate + I;
-      T* o = out + r * I;
-#pragma omp simd
-      for (int64_t i = 0; i < I; ++i) {
-        const float g = static_cast<float>(gate[i]);
-        const float e = exp_nonpositive(-std::fabs(g));
-        const float silu = (g >= 0.0f ? g : g * e) / (1.0f + e);
-        o[i] = rounded<T>(static_cast<float>(rounded<T>(silu)) * static_cast<float>(up[i]));
-      }
-    }
+    for (int64_t r = begin; r < end; ++r) silu_mul_row<T>(in + r * 2 * I, in + r * 2 * I + I, out + r * I, I);
   });
 }
 
