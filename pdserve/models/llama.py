@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 
 from pdserve.layers.attention import AttentionMetadata, paged_attention
-from pdserve.layers.linear import Linear
+from pdserve.layers.linear import Linear, calibrate_linears
 from pdserve.layers.pointwise import TORCH_POINTWISE, PointwiseOps, RMSNorm
 from pdserve.layers.rotary import RotaryEmbedding
 from pdserve.models.config import TextModelConfig
@@ -91,6 +91,15 @@ class LlamaForCausalLM:
         self.layers = [DecoderLayer(cfg, weights_of_layer(weights, i), self.rotary) for i in range(cfg.num_layers)]
         self.norm = RMSNorm(weights["norm"], cfg.rms_norm_eps)
         self.lm_head = Linear(weights.get("lm_head", self.embed_tokens))
+        calibrate_linears(*zip(*self._linears_and_weights(weights), strict=True))
+
+    def _linears_and_weights(self, weights: dict[str, torch.Tensor]) -> list[tuple[Linear, torch.Tensor]]:
+        pairs = [(self.lm_head, weights.get("lm_head", self.embed_tokens))]
+        for i, layer in enumerate(self.layers):
+            w = weights_of_layer(weights, i)
+            pairs += [(layer.qkv, w["qkv"]), (layer.o_proj, w["o_proj"]), (layer.gate_up, w["gate_up"]),
+                      (layer.down, w["down_proj"])]
+        return pairs
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens.index_select(0, input_ids)
