@@ -18,7 +18,7 @@ from pdserve.layers.attention import AttentionMetadata, PrefillChunk
 from pdserve.models.config import ModelSpec
 from pdserve.models.llama import ForwardContext, NoHooks
 from pdserve.models.registry import LoadedModel, build_model
-from pdserve.native.backend import choose_decode_kernel
+from pdserve.native.backend import choose_decode_kernel, pointwise_ops_for
 from pdserve.utils import cdiv
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,7 @@ class ModelRunner:
         self.default_generator = torch.Generator().manual_seed(seed)
         self.faults = EngineFaults()
         self.decode_kernel = choose_decode_kernel(attention_backend, self.device, self.dtype)
+        self.pointwise_ops = pointwise_ops_for(self.decode_kernel)
 
     # -- KV cache ---------------------------------------------------------------------------------------
     def kv_block_shape(self) -> tuple[int, ...]:
@@ -114,7 +115,8 @@ class ModelRunner:
     def _run(self, scheduled: list[ScheduledRequest], out: ModelRunnerOutput) -> None:
         batch = [s for s in scheduled if s.is_decode] + [s for s in scheduled if not s.is_decode]
         input_ids, positions, attn, sample_rows = self._prepare(batch)
-        ctx = ForwardContext(attn=attn, kv_cache=self.kv_cache, hooks=self.connector or NoHooks())
+        ctx = ForwardContext(attn=attn, kv_cache=self.kv_cache, hooks=self.connector or NoHooks(),
+                             ops=self.pointwise_ops)
         hidden = self.model.forward(input_ids, positions, ctx, inputs_embeds=self._embed_inputs(batch, input_ids))
         sampling = [batch[i] for i, _ in sample_rows]
         if not sampling:

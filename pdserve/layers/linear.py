@@ -8,6 +8,8 @@ oneDNN is missing, the plain ``F.linear`` path is used.
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -32,38 +34,71 @@ def onednn_available(device: torch.device) -> bool:
 
 
 class Linear:
-    """y = x @ W^T + b with W prepared for the device's best kernel. Not an nn.Module: weights never train."""
+    """y = x @ W^T + b with W prepared for the device's best kernel. Not an nn.Module: weights never train.
+
+    With oneDNN, inputs of at most `plain_rows` rows still take ``F.linear`` on the plain weight, which is then
+    kept beside the packed one; `calibrate_linears` sets it where that measured faster (fp32 batch-1 GEMVs)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, use_onednn: bool | None = None) -> None:
         self.bias = bias
         self.use_onednn = onednn_available(weight.device) if use_onednn is None else use_onednn
+        self.plain: torch.Tensor | None = weight.contiguous()
+        self.packed: torch.Tensor | None = None
+        self.plain_rows = 0
         if self.use_onednn:
             # The reordered weight is opaque (blocked layout); the batch-size hint is left open because a
             # serving step's batch size varies, and measured speed does not depend on it.
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
-        else:
-            self.weight = weight.contiguous()
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.plain, None)
+            self.plain = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_onednn:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        if self.packed is not None and x.shape[0] > self.plain_rows:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.plain, self.bias)
 
 
-class RMSNorm:
-    """Root-mean-square norm computed in fp32 and cast back, exactly as Hugging Face Llama does."""
-
-    def __init__(self, weight: torch.Tensor, eps: float) -> None:
-        self.weight = weight
-        self.eps = eps
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        input_dtype = x.dtype
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(input_dtype)
+LINEAR_ENV_VAR = "PDSERVE_LINEAR_BACKEND"  # onednn (default): packed weights only; auto: calibrate_linears
+CALIBRATION_ROWS = (1, 2, 4, 8, 16)
+PLAIN_MARGIN = 0.9  # F.linear must be this much faster to be worth a second copy of the weight
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+def calibrate_linears(linears: list[Linear], weights: list[torch.Tensor]) -> None:
+    """Per weight shape, time F.linear against oneDNN at a few small row counts (a few ms) and keep the plain
+    weight for the counts where F.linear wins (fp32 GEMVs on some CPUs); weights[i] is linears[i]'s plain weight.
+
+    Opt-in ($PDSERVE_LINEAR_BACKEND=auto): the choice depends on the moment's timings, so two instances may decide
+    differently, and fp32 rounding differs between the two kernels; instances that must agree token for token
+    (disaggregated against colocated) keep the default."""
+    if os.environ.get(LINEAR_ENV_VAR, "onednn") != "auto":
+        return
+    decided: dict[tuple[tuple[int, ...], torch.dtype], int] = {}
+    for linear, weight in zip(linears, weights, strict=True):
+        if linear.packed is None:
+            continue
+        key = (tuple(weight.shape), weight.dtype)
+        if key not in decided:
+            decided[key] = _plain_rows(linear, weight.contiguous())
+        if decided[key]:
+            linear.plain, linear.plain_rows = weight.contiguous(), decided[key]
+
+
+def _plain_rows(linear: Linear, weight: torch.Tensor) -> int:
+    best = 0
+    for rows in CALIBRATION_ROWS:
+        x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+        plain = _fastest(lambda: F.linear(x, weight, linear.bias))
+        packed = _fastest(lambda: torch.ops.mkldnn._linear_pointwise(x, linear.packed, linear.bias, "none", [], ""))
+        if plain > PLAIN_MARGIN * packed:
+            break
+        best = rows
+    return best
+
+
+def _fastest(fn: Callable[[], object], reps: int = 3) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)

@@ -13,7 +13,8 @@ from typing import Protocol
 import torch
 
 from pdserve.layers.attention import AttentionMetadata, paged_attention
-from pdserve.layers.linear import Linear, RMSNorm, silu_and_mul
+from pdserve.layers.linear import Linear, calibrate_linears
+from pdserve.layers.pointwise import TORCH_POINTWISE, PointwiseOps, RMSNorm
 from pdserve.layers.rotary import RotaryEmbedding
 from pdserve.models.config import TextModelConfig
 
@@ -37,6 +38,7 @@ class ForwardContext:
     attn: AttentionMetadata
     kv_cache: torch.Tensor  # [num_blocks, num_layers, 2, kv_heads, block_size, head_dim]
     hooks: LayerHooks
+    ops: PointwiseOps = TORCH_POINTWISE  # RMSNorm, residual add, SiLU * mul: plain torch or the engine's fused kernels
 
 
 class DecoderLayer:
@@ -57,10 +59,13 @@ class DecoderLayer:
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
 
-    def __call__(self, positions: torch.Tensor, hidden: torch.Tensor, layer_cache: torch.Tensor,
-                 attn: AttentionMetadata) -> torch.Tensor:
-        residual = hidden
-        qkv = self.qkv(self.input_norm(hidden))
+    def __call__(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                 layer_cache: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, the residual stream before it): the residual add is left to the next
+        norm, which does it in the same pass (vLLM's layout; the sums are the ones Hugging Face computes)."""
+        ops = ctx.ops
+        normed, residual = self.input_norm.with_residual(hidden, residual, ops)
+        qkv = self.qkv(normed)
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -68,11 +73,10 @@ class DecoderLayer:
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        attn_out = paged_attention(q, k, v, layer_cache, attn, self.scale)
-        hidden = residual + self.o_proj(attn_out.reshape(-1, self.q_size))
-        residual = hidden
-        hidden = self.down(silu_and_mul(self.gate_up(self.post_attention_norm(hidden))))
-        return residual + hidden
+        attn_out = paged_attention(q, k, v, layer_cache, ctx.attn, self.scale)
+        hidden = self.o_proj(attn_out.reshape(-1, self.q_size))
+        normed, residual = self.post_attention_norm.with_residual(hidden, residual, ops)
+        return self.down(ops.silu_and_mul(self.gate_up(normed))), residual
 
 
 class LlamaForCausalLM:
@@ -87,6 +91,15 @@ class LlamaForCausalLM:
         self.layers = [DecoderLayer(cfg, weights_of_layer(weights, i), self.rotary) for i in range(cfg.num_layers)]
         self.norm = RMSNorm(weights["norm"], cfg.rms_norm_eps)
         self.lm_head = Linear(weights.get("lm_head", self.embed_tokens))
+        calibrate_linears(*zip(*self._linears_and_weights(weights), strict=True))
+
+    def _linears_and_weights(self, weights: dict[str, torch.Tensor]) -> list[tuple[Linear, torch.Tensor]]:
+        pairs = [(self.lm_head, weights.get("lm_head", self.embed_tokens))]
+        for i, layer in enumerate(self.layers):
+            w = weights_of_layer(weights, i)
+            pairs += [(layer.qkv, w["qkv"]), (layer.o_proj, w["o_proj"]), (layer.gate_up, w["gate_up"]),
+                      (layer.down, w["down_proj"])]
+        return pairs
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens.index_select(0, input_ids)
@@ -94,11 +107,12 @@ class LlamaForCausalLM:
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, ctx: ForwardContext,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        residual = None
         for index, layer in enumerate(self.layers):
             ctx.hooks.wait_for_layer_load(index)
-            hidden = layer(positions, hidden, ctx.kv_cache[:, index], ctx.attn)
+            hidden, residual = layer(positions, hidden, residual, ctx.kv_cache[:, index], ctx)
             ctx.hooks.save_kv_layer(index)
-        return self.norm(hidden)
+        return self.norm.with_residual(hidden, residual, ctx.ops)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).to(torch.float32)

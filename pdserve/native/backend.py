@@ -1,4 +1,5 @@
-"""Which decode attention an engine uses: the native paged kernel or the plain-torch path.
+"""Which kernels an engine uses: the native ones (paged decode attention, fused RMSNorm / residual add / SiLU * mul)
+or the plain-torch path. The fused row-wise ops come with the attention kernel: one library, one choice.
 
 `auto` takes the native kernel when its library is already in the build cache and falls back to torch otherwise
 (no compiler, a failed build, a device other than the CPU, a dtype the kernel lacks); `native` builds it if needed
@@ -15,6 +16,7 @@ import torch
 
 from pdserve.config import ATTENTION_BACKENDS
 from pdserve.layers.attention import DecodeKernel
+from pdserve.layers.pointwise import TORCH_POINTWISE, PointwiseOps
 from pdserve.native.build import cached_library, ensure_built, load_library
 
 log = logging.getLogger(__name__)
@@ -33,6 +35,27 @@ def requested_backend(configured: str | None) -> str:
 def native_decode(q: torch.Tensor, layer_cache: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor,
                   scale: float) -> torch.Tensor:
     return torch.ops.pdserve.paged_decode(q, layer_cache, table, lengths, scale)
+
+
+def native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.ops.pdserve.rms_norm(x, weight, eps)
+
+
+def native_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ops.pdserve.add_rms_norm(x, residual, weight, eps)
+
+
+def native_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    return torch.ops.pdserve.silu_and_mul(gate_up)
+
+
+NATIVE_POINTWISE = PointwiseOps(native_rms_norm, native_add_rms_norm, native_silu_and_mul)
+
+
+def pointwise_ops_for(decode_kernel: DecodeKernel | None) -> PointwiseOps:
+    """The fused row-wise ops when the native library is loaded (it holds both), else plain torch."""
+    return TORCH_POINTWISE if decode_kernel is None else NATIVE_POINTWISE
 
 
 def choose_decode_kernel(configured: str | None, device: torch.device, dtype: torch.dtype) -> DecodeKernel | None:

@@ -21,7 +21,9 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("paged_attention.cpp")
+HERE = Path(__file__).parent
+SOURCES = (HERE / "paged_attention.cpp", HERE / "pointwise.cpp")
+HEADERS = (HERE / "vec_math.h",)
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
 BUILD_TIMEOUT_S = 600.0
 
@@ -43,7 +45,7 @@ def _cpu_features() -> str:
 
 def library_name() -> str:
     key = hashlib.blake2b(digest_size=8)
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), torch.__version__.encode(),
+    for part in (*(f.read_bytes() for f in SOURCES + HEADERS), " ".join(CFLAGS).encode(), torch.__version__.encode(),
                  platform.python_version().encode(), _cpu_features().encode()):
         key.update(part)
     return f"pdserve_native_{key.hexdigest()}"
@@ -68,7 +70,7 @@ def compile_into_cache() -> Path:
         pass
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix="build-") as staging:
-        built = cpp_extension.load(name=target.stem, sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
+        built = cpp_extension.load(name=target.stem, sources=[str(f) for f in SOURCES], extra_cflags=list(CFLAGS),
                                    build_directory=staging, is_python_module=False, verbose=False)
         # Published by a rename, so a process that finds the file never loads a half-written library.
         partial = Path(staging) / "publish.so"
@@ -91,5 +93,5 @@ def ensure_built(timeout: float = BUILD_TIMEOUT_S) -> Path:
 
 def load_library(path: Path) -> None:
     """Register the library's ops under torch.ops.pdserve (loading the same file again is a no-op)."""
-    if not hasattr(torch.ops.pdserve, "paged_decode"):
+    if not hasattr(torch.ops.pdserve, "silu_and_mul"):
         torch.ops.load_library(str(path))

@@ -1,0 +1,54 @@
+"""The native fused row-wise ops (RMSNorm, residual add + RMSNorm, SiLU * mul) against the plain-torch ops they
+replace: fp32 and bf16, one row (the calling thread) and many (split over threads), rows that are views of a
+wider tensor, and activations large enough that torch's SiLU goes subnormal. The engine's greedy tokens on them
+are checked, with the native attention, in test_native_attention.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_native_attention import native  # noqa: F401 - the fixture that builds the library
+
+from pdserve.layers.pointwise import TORCH_POINTWISE
+from pdserve.native.backend import NATIVE_POINTWISE, pointwise_ops_for
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
+    assert a.dtype == b.dtype == dtype and a.shape == b.shape
+    tol = 2e-6 if dtype == torch.float32 else 1e-2  # fp32: sum-of-squares order; bf16: one ulp
+    torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 130])
+def test_rms_norms_equal_torch(native, dtype, rows) -> None:  # noqa: F811
+    g = torch.Generator().manual_seed(rows)
+    wide = (torch.randn(rows, 2 * 96, generator=g) * 40).to(dtype)
+    x = wide[:, :96]  # a strided view, as a split of a fused projection is
+    residual = torch.randn(rows, 96, generator=g).to(dtype)
+    weight = torch.randn(96, generator=g).to(dtype)
+    close(NATIVE_POINTWISE.rms_norm(x, weight, 1e-6), TORCH_POINTWISE.rms_norm(x, weight, 1e-6), dtype)
+    for got, want in zip(NATIVE_POINTWISE.add_rms_norm(x, residual, weight, 1e-5),
+                         TORCH_POINTWISE.add_rms_norm(x, residual, weight, 1e-5), strict=True):
+        close(got, want, dtype)
+    heads = x.reshape(rows, 4, 24)  # a per-head norm (Qwen3's q/k norm) normalizes the last dim of 3-d input
+    close(NATIVE_POINTWISE.rms_norm(heads, weight[:24], 1e-6), TORCH_POINTWISE.rms_norm(heads, weight[:24], 1e-6),
+          dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,scale", [(1, 1.0), (70, 3.0), (70, 300.0)])
+def test_silu_and_mul_equals_torch(native, dtype, rows, scale) -> None:  # noqa: F811
+    g = torch.Generator().manual_seed(rows)
+    gate_up = (torch.randn(rows, 2 * 1000, generator=g) * scale).to(dtype)
+    got, want = NATIVE_POINTWISE.silu_and_mul(gate_up), TORCH_POINTWISE.silu_and_mul(gate_up)
+    # Far below zero silu is a subnormal in torch and a tiny normal here; both are 0 to any later op.
+    assert got.dtype == want.dtype and got.shape == (rows, 1000)
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-30, rtol=2e-6 if dtype == torch.float32 else 1e-2)
+
+
+def test_engine_takes_fused_ops_with_the_native_library(native) -> None:  # noqa: F811
+    assert pointwise_ops_for(native) is NATIVE_POINTWISE
+    assert pointwise_ops_for(None) is TORCH_POINTWISE
