@@ -47,6 +47,7 @@ is_empty
 reset
 request_finished_all_groups
 has_pending_push_work
+get_required_kvcache_layout
 forward_context
 layer_name
 kv_layer

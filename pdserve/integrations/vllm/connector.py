@@ -87,8 +87,15 @@ class PdConnector(KVConnectorBase_V1, SupportsHMA):
         """True while P holds KV for a consumer: vLLM takes blocks back only at a step, so it must keep stepping."""
         return self._scheduler is not None and self._scheduler.has_pending_work()
 
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """Blocks outermost, then heads (vLLM-CPU's only layout): each layer's tensor is then contiguous, which
+        the planes need to address a block per layer; on a GPU the default may be a permuted view."""
+        return "HND"
+
     # == worker side ======================================================================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        # A CUDA cache takes the device path (VRAM registered with NIXL): written, never run on a GPU, unverified.
         from vllm import __version__ as vllm_version
 
         assert self._worker is not None

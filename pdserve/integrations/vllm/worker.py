@@ -7,6 +7,12 @@ hash covers vLLM's version, the model, the layers' names, shapes and dtype, and 
 instance lays the same model's KV out otherwise; the handshake's layout identity (vLLM-CPU's, with the weights'
 fingerprint) lets either end regroup the other's blocks when it reads them (`kv_transfer/layouts.py`).
 
+On a GPU (CUDA vLLM) the cache is device memory, which only the nixl plane moves without a host copy: NIXL
+registers each layer's tensor as VRAM and moves blocks per (block, layer); checksums run on the device
+(`kv_transfer/integrity.py`); shm and tcp refuse the cache at registration, and "auto" serves nixl alone. The
+hash then names the device type, and no layout identity is sent, so a GPU instance pairs only with GPU instances
+laid out alike and never regroups with a host one. This path is written but has never run on a GPU: unverified.
+
 vLLM names layers where pdserve numbers them: a layer's index is its place in the registered cache (the order
 the data planes serve it in). vLLM starts a step's loads after the forward; pdserve's half starts the step's
 transfer work before it (push must see a registration before the layers it writes are saved), so it does so when
@@ -25,7 +31,7 @@ import torch
 from pdserve.ids import ReqId
 from pdserve.integrations.vllm.settings import Settings
 from pdserve.kv_transfer.agent import TransferAgent
-from pdserve.kv_transfer.data_plane import DATA_PLANES, make_data_plane
+from pdserve.kv_transfer.data_plane import DATA_PLANES, NIXL_INSTALL_HINT, make_data_plane
 from pdserve.kv_transfer.data_plane.regions import BlockRegions
 from pdserve.kv_transfer.factory import agent_config, connector_halves, weight_fingerprint
 from pdserve.kv_transfer.layouts import vllm_cpu_layout
@@ -35,8 +41,9 @@ from pdserve.kv_transfer.pd_connector import PdConnectorMetadata, PdConnectorWor
 
 # Inside vLLM the cache is vLLM's memory (a tensor per layer), served over the planes that address any layout's
 # blocks per layer: shm by cross-memory attach (one host), tcp copies their bytes, NIXL registers each layer's
-# tensor once. "auto" serves every installed one.
+# tensor once. "auto" serves every installed one; for device memory, the one that moves it without a host copy.
 PLANES = ("shm", "tcp", "nixl")
+DEVICE_PLANES = ("nixl",)
 
 
 def model_fingerprint(model: str) -> str:
@@ -46,11 +53,29 @@ def model_fingerprint(model: str) -> str:
     return weight_fingerprint(path) if path.is_dir() else ""
 
 
+def plane_names(preferred: str, device: torch.device) -> list[str]:
+    """The planes to serve the cache over: the one configured (which refuses memory it cannot move), or under
+    "auto" every installed one that can move memory on `device`."""
+    if preferred not in ("auto", *PLANES):
+        raise ValueError(f"inside vLLM PdConnector serves the {', '.join(PLANES)} data plane, not {preferred}")
+    if preferred != "auto":
+        return [preferred]
+    usable = PLANES if device.type == "cpu" else DEVICE_PLANES
+    names = [name for name in usable if name in DATA_PLANES]
+    if not names:
+        raise ValueError(f"a KV cache on {device} needs the nixl data plane, whose engine is not installed: "
+                         f"{NIXL_INSTALL_HINT}")
+    return names
+
+
 def vllm_compat_hash(settings: Settings, vllm_version: str, kv_caches: dict[str, torch.Tensor]) -> str:
     layers = [[name, list(t.shape), str(t.dtype)] for name, t in kv_caches.items()]
     identity = {"protocol": PROTOCOL_VERSION, "engine": f"vllm {vllm_version}", "model": settings.model,
                 "block_size": settings.block_size, "layout": "vllm: a tensor per layer, copied opaquely",
                 "layers": layers}
+    device = next(iter(kv_caches.values())).device
+    if device.type != "cpu":  # host caches keep the hash they always had; a device's never equals one
+        identity["device"] = device.type
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
 
@@ -61,15 +86,16 @@ class VllmWorkerSide:
         self.half: PdConnectorWorker | None = None
         self._reported: dict[str, float] = {}
         self._layers: dict[str, int] = {}
+        self._device = torch.device("cpu")
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], vllm_version: str) -> None:
+        """Serve vLLM's cache. A CUDA cache takes the device path (VRAM registered with NIXL, checksums on the
+        device), which is written but has never run on a GPU: unverified."""
         s = self.settings
-        preferred = str(s.extra.get("data_plane", "auto"))
-        if preferred not in ("auto", *PLANES):
-            raise ValueError(f"inside vLLM PdConnector serves the {', '.join(PLANES)} data plane, not {preferred}")
         regions = BlockRegions.from_layers(list(kv_caches.values()))
+        self._device = regions.device
         self._layers = {name: index for index, name in enumerate(kv_caches)}
-        names = [preferred] if preferred in PLANES else [name for name in PLANES if name in DATA_PLANES]
+        names = plane_names(str(s.extra.get("data_plane", "auto")), regions.device)
         planes = {name: make_data_plane(name, s.host) for name in names}
         for plane in planes.values():
             plane.attach_regions(regions)
@@ -94,8 +120,14 @@ class VllmWorkerSide:
 
     def save_kv_layer(self, layer_name: str) -> None:
         """The layer's KV for this step is in the cache: push writes it to D now, while later layers compute."""
-        if self.half is not None:
-            self.half.save_kv_layer(self._layers[layer_name])
+        if self.half is None:
+            return
+        push = self.half.push
+        if self._device.type == "cuda" and push is not None and push.writes_this_step():
+            # The layer's kernels may still be queued: NIXL reads the memory outside vLLM's stream, so the writes
+            # wait for them (this costs push steps the overlap of layers; steps without writes keep it).
+            torch.cuda.current_stream(self._device).synchronize()
+        self.half.save_kv_layer(self._layers[layer_name])
 
     def wait_for_save(self) -> None:
         if self.half is not None:

@@ -16,10 +16,12 @@ from typing import Any
 
 import torch
 
-from pdserve.kv_transfer.data_plane.regions import BlockRegions, DataPlaneError, byte_view, check_block_ids
+from pdserve.kv_transfer.data_plane.regions import (BlockRegions, DataPlaneError, byte_view, check_block_ids,
+                                                    refuse_device_memory)
 
 __all__ = ["DRAIN_S", "IN_FLIGHT_BOUND_S", "SOCKET_TIMEOUT_S", "Authorizer", "BlockRegions", "DataPlane",
-           "DataPlaneError", "PeerChannel", "accept_until_stopped", "block_runs", "byte_view", "check_block_ids"]
+           "DataPlaneError", "PeerChannel", "accept_until_stopped", "block_runs", "byte_view", "check_block_ids",
+           "refuse_device_memory"]
 
 # A transfer call gives up after SOCKET_TIMEOUT_S; a one-sided engine cannot cancel a transfer still moving
 # then, so the call waits it out up to DRAIN_S more before it returns. Memory a peer may be moving bytes into is

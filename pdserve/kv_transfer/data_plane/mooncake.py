@@ -26,7 +26,7 @@ from typing import Any  # noqa: E402
 
 from mooncake.engine import TransferEngine  # noqa: E402
 
-from pdserve.kv_transfer.data_plane.base import DRAIN_S, DataPlaneError  # noqa: E402
+from pdserve.kv_transfer.data_plane.base import DRAIN_S, DataPlaneError, refuse_device_memory  # noqa: E402
 from pdserve.kv_transfer.data_plane.one_sided import (EngineChannel, GrantingPlane, KvLayout,  # noqa: E402
                                                       address_runs, pause)
 
@@ -101,8 +101,7 @@ class MooncakeDataPlane(GrantingPlane):
         self.engine: MooncakeEngine | None = None
 
     def register(self, layout: KvLayout) -> None:
-        if layout.device.type != "cpu":
-            raise DataPlaneError("the mooncake data plane serves host memory only")
+        refuse_device_memory(self.name, layout.device)
         self.engine = MooncakeEngine(self.host)
         self.engine.register(layout.memory())
 

@@ -41,8 +41,8 @@ def memory_kind(device: torch.device) -> tuple[str, int]:
     """NIXL's memory type and device id for memory on `device`: a CUDA tensor is VRAM on its own GPU (the
     device id tells UCX which one), anything else is host memory, device 0.
 
-    The VRAM branch has never run: no host here has a GPU, and the planes' BlockRegions are host byte views, so a
-    CUDA cache does not reach NIXL registration yet; only this choice is tested."""
+    The VRAM branch is reached by vLLM's CUDA cache (`integrations/vllm/worker.py`) but has never run on a GPU:
+    no host this was written on has one, so it is unverified."""
     if device.type == "cuda":
         return "VRAM", device.index if device.index is not None else 0
     return "DRAM", 0

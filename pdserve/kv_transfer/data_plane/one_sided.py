@@ -49,12 +49,10 @@ class KvLayout:
 
     @classmethod
     def of(cls, regions: BlockRegions, device: torch.device) -> KvLayout:
-        def address(block: int, layer: int) -> int:
-            return int(np.frombuffer(regions.layer_view(block, layer), dtype=np.uint8).ctypes.data)
-
-        bases = tuple(address(0, layer) for layer in range(regions.num_layers))
-        strides = tuple((address(1, layer) - base) if regions.num_blocks > 1 else regions.block_bytes
-                        for layer, base in enumerate(bases))
+        """From the regions' addresses alone, so that device memory, which has no host view, is described too."""
+        extents = regions.layer_extents()
+        bases = tuple(base for base, _ in extents)
+        strides = tuple(stride if regions.num_blocks > 1 else regions.block_bytes for _, stride in extents)
         return cls(bases, strides, regions.layer_bytes, regions.num_blocks, device)
 
     @classmethod
@@ -200,8 +198,10 @@ class GrantingPlane(TcpDataPlane):
         self.layout: KvLayout | None = None
 
     def attach_regions(self, regions: BlockRegions) -> None:
-        super().attach_regions(regions)
-        self._register(KvLayout.of(regions, torch.device("cpu")))  # BlockRegions are host byte views
+        """Any layout, in host or device memory: the engine registers it as the regions' device's (tcp's own
+        listener, which would copy bytes through the host, only answers grants here)."""
+        self.regions = regions
+        self._register(KvLayout.of(regions, regions.device))
 
     def attach(self, kv: torch.Tensor) -> None:
         DataPlane.attach(self, kv)

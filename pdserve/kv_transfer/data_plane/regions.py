@@ -6,6 +6,10 @@ per layer tensor. Both are "layer l of block b starts at `base_l + b * stride_l`
 the transfer code (socket server, checksums, fault damage) addresses blocks through this one description and
 never assumes a layout. Bytes move opaquely: both ends must have the same layout, which the handshake's
 compatibility hash checks.
+
+A cache in device memory (vLLM's on a GPU) has no host byte view: it is described by addresses alone, for the
+planes that register device memory with their engine, and as per-layer byte tensors, so checksums and fault
+damage run on the device with torch ops. Planes that copy through host views refuse it (`refuse_device_memory`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,13 @@ def byte_view(kv: torch.Tensor) -> memoryview:
     return memoryview(kv.view(-1).view(torch.uint8).numpy())
 
 
+def refuse_device_memory(plane: str, device: torch.device) -> None:
+    """Planes that copy bytes through the host serve host memory only: say which plane can serve a device's."""
+    if device.type != "cpu":
+        raise DataPlaneError(f"the {plane} data plane copies KV through host memory and cannot serve a KV cache "
+                             f"on {device}; use the nixl data plane, which registers device memory with NIXL")
+
+
 def check_block_ids(block_ids: list[int], num_blocks: int) -> None:
     for b in block_ids:
         if not 0 <= b < num_blocks:
@@ -33,7 +44,7 @@ def check_block_ids(block_ids: list[int], num_blocks: int) -> None:
 
 @dataclass(frozen=True, slots=True)
 class _Layer:
-    data: memoryview  # the layer's bytes for block 0 onwards
+    data: memoryview | None  # the layer's bytes for block 0 onwards; None for device memory
     stride: int  # bytes from one block to the next
     address: int  # where `data` starts in this process's memory, for planes that copy between processes
 
@@ -41,8 +52,13 @@ class _Layer:
 class BlockRegions:
     """Byte access to whole blocks and single layers of blocks, in a layout-independent way."""
 
-    def __init__(self, layers: Sequence[_Layer], layer_bytes: int, num_blocks: int, contiguous: bool) -> None:
+    def __init__(self, layers: Sequence[_Layer], layer_bytes: int, num_blocks: int, contiguous: bool,
+                 device: torch.device = torch.device("cpu"), device_layers: Sequence[torch.Tensor] = ()) -> None:
         self._layers = list(layers)
+        self.device = device
+        # Device memory as a `[blocks, layer_bytes]` byte tensor per layer, for checksums and damage on the
+        # device (empty for host memory, and for device memory described by address only).
+        self.device_layers = tuple(device_layers)
         self.layer_bytes = layer_bytes
         self.num_blocks = num_blocks
         self.num_layers = len(self._layers)
@@ -70,8 +86,21 @@ class BlockRegions:
         if not all(t.is_contiguous() for t in tensors):
             raise DataPlaneError("a per-layer KV tensor is not contiguous")
         layer_bytes = first[0].numel() * first.element_size()
+        if first.device.type != "cpu":
+            return cls.described([(t.data_ptr(), layer_bytes) for t in tensors], layer_bytes, first.shape[0],
+                                 first.device, [t.view(first.shape[0], -1).view(torch.uint8) for t in tensors])
         return cls([_Layer(byte_view(t), layer_bytes, t.data_ptr()) for t in tensors], layer_bytes, first.shape[0],
                    contiguous=len(tensors) == 1)
+
+    @classmethod
+    def described(cls, extents: Sequence[tuple[int, int]], layer_bytes: int, num_blocks: int, device: torch.device,
+                  device_layers: Sequence[torch.Tensor] = ()) -> BlockRegions:
+        """Memory this process cannot view as bytes (a GPU's): each layer by (address of block 0, stride) alone,
+        and optionally as `[blocks, layer_bytes]` byte tensors on `device`."""
+        if device_layers and layer_bytes % 4:
+            raise DataPlaneError(f"a KV block layer of {layer_bytes} bytes is not whole 32-bit words")
+        return cls([_Layer(None, stride, address) for address, stride in extents], layer_bytes, num_blocks,
+                   contiguous=False, device=device, device_layers=device_layers)
 
     def layer_extents(self) -> list[tuple[int, int]]:
         """(address of block 0's bytes, stride) per layer: where another process on this host finds them."""
@@ -79,6 +108,8 @@ class BlockRegions:
 
     def layer_view(self, block: int, layer: int) -> memoryview:
         entry = self._layers[layer]
+        if entry.data is None:
+            raise DataPlaneError(f"KV blocks on {self.device} have no host byte view")
         start = block * entry.stride
         return entry.data[start:start + self.layer_bytes]
 
@@ -107,6 +138,11 @@ class BlockRegions:
     def fill(self, block: int, value: int, nbytes: int | None = None) -> None:
         """Overwrite a block's bytes (or its first `nbytes`) with `value`: injected transit damage."""
         left = self.block_bytes if nbytes is None else nbytes
+        if self.device_layers:
+            for layer in self.device_layers:
+                layer[block, :max(0, min(left, self.layer_bytes))].fill_(value)
+                left -= self.layer_bytes
+            return
         for view in self.block_views(block):
             n = min(left, len(view))
             view[:n] = bytes([value]) * n

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from pdserve.kv_transfer.data_plane.base import (BlockRegions, DataPlane, DataPlaneError, PeerChannel,
-                                                 accept_until_stopped, block_runs, check_block_ids)
+                                                 accept_until_stopped, block_runs, check_block_ids,
+                                                 refuse_device_memory)
 from pdserve.kv_transfer.data_plane.cma import CmaPeer, Probe, owner_info, peer_pid
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -157,6 +158,7 @@ class ShmDataPlane(DataPlane):
 
     def attach_regions(self, regions: BlockRegions) -> None:
         """Another engine's cache, in this process's memory: peers on this host copy it by cross-memory attach."""
+        refuse_device_memory(self.name, regions.device)
         self.regions = regions
         self._probe = Probe()
 

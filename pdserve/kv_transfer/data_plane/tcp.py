@@ -17,7 +17,7 @@ import msgspec
 import torch
 
 from pdserve.kv_transfer.data_plane.base import (SOCKET_TIMEOUT_S, BlockRegions, DataPlane, DataPlaneError,
-                                                 PeerChannel, accept_until_stopped)
+                                                 PeerChannel, accept_until_stopped, refuse_device_memory)
 
 _LEN = struct.Struct("!I")
 _MAX_HEADER = 1 << 20
@@ -137,7 +137,8 @@ class TcpDataPlane(DataPlane):
         return self.kv
 
     def attach_regions(self, regions: BlockRegions) -> None:
-        """Any layout serves: the socket moves each block's bytes as they lie."""
+        """Any layout in host memory serves: the socket moves each block's bytes as they lie."""
+        refuse_device_memory(self.name, regions.device)
         self.regions = regions
 
     def start(self, authorize) -> None:

@@ -148,6 +148,10 @@ class PushProducer:
             if layer == self.num_layers - 1 and chunk.last:
                 self._submit_done(source, ok=True)
 
+    def writes_this_step(self) -> bool:
+        """Whether this step has layers to write once saved (a device cache must finish computing them first)."""
+        return bool(self._step)
+
     def end_step(self) -> None:
         for chunk in self._step:
             source = self.sources.get(chunk.transfer_id)
