@@ -15,6 +15,7 @@ Two vLLM instances for the module (P also serves as the colocated oracle).
 
 from __future__ import annotations
 
+import json
 
 import httpx
 import pytest
@@ -97,16 +98,20 @@ def test_forged_token_is_refused_and_decode_computes_the_prompt(pair):
 
 
 def test_gateway_frees_what_p_holds_when_decode_refuses_the_request(pair):
-    """D refuses the decode leg (400: min_tokens above max_tokens; the prefill leg carries neither) after P
-    answered and holds the prompt's KV: the gateway sends P's side channel pdserve's Release, P's cache is idle
-    again long before its lease would free it, and the gateway counts the release as made (P acknowledged it)."""
+    """D refuses the decode leg before its connector sees it (400: stream_options without a stream, which vLLM's
+    API server rejects; the prefill leg carries no stream_options) after P answered and holds the prompt's KV: D
+    will not release it, the gateway does, with pdserve's Release on P's side channel. P's cache is idle again
+    long before its lease would free it, and the gateway counts the release as made (P acknowledged it)."""
     before_p, before_gw = metric_values(pair["P"]), metric_values(pair["gateway"])
-    response = complete(pair["gateway"], random_prompt(150, 55), max_tokens=2, min_tokens=5)
+    response = complete(pair["gateway"], random_prompt(150, 55), stream_options={"include_usage": True})
     assert response.status_code == 400, response.text
     wait_for(lambda: usage(pair["P"]) == 0.0, timeout=30, what="vLLM P's KV cache to be idle")
     wait_for(lambda: metric_values(pair["P"])["pdserve:kv_leases_held"] == 0, timeout=30, what="P to hold no lease")
     after_p = metric_values(pair["P"])
     assert after_p["pdserve:kv_releases_received_total"] - before_p["pdserve:kv_releases_received_total"] == 1
+    releases = [r["message"] for r in map(json.loads, pair["capture"].read_text().splitlines())
+                if r["type"] == "Release"]
+    assert releases[-1]["reason"] == "decode_not_admitted" and releases[-1]["token"], releases[-1]  # the gateway's
     wait_for(lambda: metric_values(pair["gateway"]).get("pdserve:gateway_kv_releases_total", 0)
              - before_gw.get("pdserve:gateway_kv_releases_total", 0) == 1, timeout=10, what="the release counted")
     assert metric_values(pair["gateway"]).get("pdserve:gateway_kv_releases_not_made_total", 0) == \
