@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.gateway.capabilities import Capabilities, SideChannel, from_info
+from pdserve.gateway.capabilities import RELEASE_SIDE_CHANNEL, Capabilities, SideChannel, from_info
 from pdserve.server.info import InstanceInfo
 
 
@@ -27,13 +27,13 @@ def pdserve(block_size: int = 32, sources: tuple[str, ...] = ("vllm-cpu",)) -> C
 
 def vllm_pd(block_size: int = 32, sources: str = "pdserve",
             protocols: frozenset[str] = frozenset({"pull", "push", "decode-first"})) -> Capabilities:
-    return Capabilities("vllm", "0.32.0", "PdConnector", ("tcp",), protocols, SIDE, takes_releases=False,
+    return Capabilities("vllm", "0.32.0", "PdConnector", ("tcp",), protocols, SIDE, releases=RELEASE_SIDE_CHANNEL,
                         kv_sources=frozenset(filter(None, sources.split(","))), kv_layout="vllm-cpu",
                         kv_block_size=block_size)
 
 
 def nixl() -> Capabilities:
-    return Capabilities("vllm", "0.32.0", "NixlConnector", protocols=frozenset({"pull"}), takes_releases=False)
+    return Capabilities("vllm", "0.32.0", "NixlConnector", protocols=frozenset({"pull"}), releases="")
 
 
 PROTOCOLS = ["pull", "push", "decode-first"]

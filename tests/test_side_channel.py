@@ -1,4 +1,5 @@
-"""The side channel's request/answer contract over real ZeroMQ sockets on loopback."""
+"""The side channel's request/answer contract over real ZeroMQ sockets on loopback, and what a transfer agent
+does with a message that arrives before what it names."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import asyncio
 import pytest
 import zmq.asyncio
 
-from pdserve.kv_transfer.messages import Ack, Heartbeat, Message
+from pdserve.kv_transfer.agent import AgentConfig, TransferAgent
+from pdserve.kv_transfer.messages import Ack, Heartbeat, Message, Release
 from pdserve.kv_transfer.side_channel import SideChannelClient, SideChannelError, SideChannelServer
 
 
@@ -68,3 +70,27 @@ def test_no_answer_within_the_deadline_is_a_side_channel_error():
         return True
 
     assert asyncio.run(_with_server(never, body))
+
+
+def test_a_release_that_beats_its_hold_frees_the_hold_when_it_registers():
+    """P answers its client a moment before its engine thread registers the hold: a Release (a consumer's, or a
+    gateway's) that arrives in between is acknowledged, and the hold is freed as soon as it registers."""
+    agent = TransferAgent(AgentConfig(engine_id="P", compat_hash="same"))
+    agent.start()
+
+    async def release() -> Message:
+        ctx = zmq.asyncio.Context()
+        client = SideChannelClient(ctx, "127.0.0.1", agent.port)
+        try:
+            return await client.request(Release(key="cmpl-1", token="t" * 32, reason="decode_not_admitted"), 5)
+        finally:
+            client.close()
+            ctx.term()
+
+    try:
+        ack = asyncio.run(release())
+        assert isinstance(ack, Ack) and ack.ok
+        agent.pull_producer.hold("cmpl-1", "t" * 32, [3, 4])
+        assert agent.num_leases() == 0 and agent.pull_producer.take_released() == {"cmpl-1"}
+    finally:
+        agent.stop()

@@ -6,31 +6,37 @@ What must hold: a vLLM prefill instance and a vLLM decode instance, both started
 (tokens equal, logprobs within the cross-process bound) for prompts inside one vLLM block and spanning three; D
 really loaded the KV (vLLM counts the prompt's tokens as external); afterwards both caches are idle again, P's
 freed by D's read-done, not by its lease. A forged transfer token is refused by P (nothing is copied) and D
-computes the prompt itself, still answering correctly, while the genuine holder can still read.
+computes the prompt itself, still answering correctly, while the genuine holder can still read. When D refuses
+the decode leg after P holds the KV, the gateway frees it with pdserve's Release message on P's side channel, long
+before P's lease would, and counts the release as made.
 
 Two vLLM instances for the module (P also serves as the colocated oracle).
 """
 
 from __future__ import annotations
 
+import json
 
 import httpx
 import pytest
 
 from conftest import random_prompt
-from server_utils import assert_same_answer, completion_body, wait_for
+from server_utils import assert_same_answer, completion_body, metric_values, wait_for
 from vllm_live import pd_connector_pull, usage
 
 pytestmark = pytest.mark.vllm
 
 PROMPTS = [random_prompt(20, 51), random_prompt(300, 52)]
+# P's lease, far longer than any wait here: KV freed within one was freed by a message, not by its expiry.
+LEASE_S = 600
 
 
 @pytest.fixture(scope="module")
 def pair(models, tmp_path_factory):
     capture = tmp_path_factory.mktemp("capture") / "p.msgs"
     # tcp pinned (auto would pick shm between two instances on one host; test_vllm_pd_faults.py covers shm).
-    with pd_connector_pull(models("llama"), {"capture_messages": str(capture)}, {"data_plane": "tcp"}) as (p, d, gw):
+    with pd_connector_pull(models("llama"), {"capture_messages": str(capture), "kv_lease_duration": LEASE_S},
+                           {"data_plane": "tcp"}) as (p, d, gw):
         yield {"P": p.url, "D": d.url, "gateway": gw.url, "capture": capture, "P_process": p}
 
 
@@ -89,6 +95,27 @@ def test_forged_token_is_refused_and_decode_computes_the_prompt(pair):
     assert external_tokens(pair["D"]) > before
     wait_for(lambda: usage(pair["P"]) == 0.0, timeout=20, what="vLLM P's KV cache to be idle")
     wait_for(lambda: usage(pair["D"]) == 0.0, timeout=20, what="vLLM D's KV cache to be idle")
+
+
+def test_gateway_frees_what_p_holds_when_decode_refuses_the_request(pair):
+    """D refuses the decode leg before its connector sees it (400: stream_options without a stream, which vLLM's
+    API server rejects; the prefill leg carries no stream_options) after P answered and holds the prompt's KV: D
+    will not release it, the gateway does, with pdserve's Release on P's side channel. P's cache is idle again
+    long before its lease would free it, and the gateway counts the release as made (P acknowledged it)."""
+    before_p, before_gw = metric_values(pair["P"]), metric_values(pair["gateway"])
+    response = complete(pair["gateway"], random_prompt(150, 55), stream_options={"include_usage": True})
+    assert response.status_code == 400, response.text
+    wait_for(lambda: usage(pair["P"]) == 0.0, timeout=30, what="vLLM P's KV cache to be idle")
+    wait_for(lambda: metric_values(pair["P"])["pdserve:kv_leases_held"] == 0, timeout=30, what="P to hold no lease")
+    after_p = metric_values(pair["P"])
+    assert after_p["pdserve:kv_releases_received_total"] - before_p["pdserve:kv_releases_received_total"] == 1
+    releases = [r["message"] for r in map(json.loads, pair["capture"].read_text().splitlines())
+                if r["type"] == "Release"]
+    assert releases[-1]["reason"] == "decode_not_admitted" and releases[-1]["token"], releases[-1]  # the gateway's
+    wait_for(lambda: metric_values(pair["gateway"]).get("pdserve:gateway_kv_releases_total", 0)
+             - before_gw.get("pdserve:gateway_kv_releases_total", 0) == 1, timeout=10, what="the release counted")
+    assert metric_values(pair["gateway"]).get("pdserve:gateway_kv_releases_not_made_total", 0) == \
+        before_gw.get("pdserve:gateway_kv_releases_not_made_total", 0)
 
 
 def test_prefill_killed_before_the_read_means_decode_recomputes(pair):

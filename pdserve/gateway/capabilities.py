@@ -36,6 +36,11 @@ VLLM_NIXL_SERIES = "0.32."
 _NIXL_METRIC = b"vllm:nixl_"
 PD_CONNECTOR = "PdConnector"
 _PD_INFO_METRIC = "pdserve:kv_connector_info"
+# How an instance frees held KV on the gateway's request: pdserve's endpoint, or pdserve's typed Release message
+# on its side channel (PdConnector inside vLLM, which serves no pdserve endpoint); "" when it does not (vLLM's
+# NixlConnector: its lease frees it).
+RELEASE_HTTP = "http"
+RELEASE_SIDE_CHANNEL = "side_channel"
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +60,7 @@ class Capabilities:
     data_planes: tuple[str, ...] = ()
     protocols: frozenset[str] = frozenset()
     side_channel: SideChannel | None = None
-    takes_releases: bool = True  # whether it frees held KV on request (POST /v1/kv/release)
+    releases: str = RELEASE_HTTP  # how it frees held KV on request (RELEASE_HTTP, RELEASE_SIDE_CHANNEL or "")
     kv_sources: frozenset[str] = frozenset()  # foreign connectors it loads from as a decode instance
     kv_sinks: frozenset[str] = frozenset()  # foreign connectors that load from it as a prefill instance
     kv_layout: str = ""  # PdConnector's KV layout ("pdserve", "vllm-cpu"); "" when unknown or not PdConnector
@@ -103,7 +108,7 @@ def from_info(info: InstanceInfo) -> Capabilities:
     if info.engine_id and info.side_channel_host and info.side_channel_port:
         side = SideChannel(info.engine_id, info.side_channel_host, info.side_channel_port)
     return Capabilities(info.engine, info.engine_version, info.kv_connector, tuple(info.data_planes),
-                        frozenset(info.protocols), side, takes_releases=info.kv_connector is not None,
+                        frozenset(info.protocols), side, releases=RELEASE_HTTP if info.kv_connector is not None else "",
                         kv_sources=frozenset(info.kv_sources), kv_sinks=frozenset(info.kv_sinks),
                         kv_layout=info.kv_layout or "", kv_block_size=info.kv_block_size or 0)
 
@@ -138,7 +143,7 @@ async def learn(pool: HttpPool, previous: Capabilities | None) -> Capabilities |
         return replace(pd, version=version)
     connector = VLLM_NIXL if _NIXL_METRIC in body else None
     return Capabilities(VLLM, version, connector, protocols=frozenset(VLLM_PROTOCOLS.get(connector, ())),
-                        takes_releases=False)
+                        releases="")
 
 
 def _pd_connector(metrics: str) -> Capabilities | None:
@@ -154,7 +159,8 @@ def _pd_connector(metrics: str) -> Capabilities | None:
                 side = SideChannel(labels.get("engine_id", ""), labels.get("side_channel_host", ""),
                                    int(port) if port.isdigit() else 0)
                 protocols = frozenset(p for p in labels.get("protocols", "").split(",") if p in PAIRED_PROTOCOLS)
-                return Capabilities(VLLM, "", PD_CONNECTOR, ("tcp",), protocols, side, takes_releases=False,
+                return Capabilities(VLLM, "", PD_CONNECTOR, ("tcp",), protocols, side,
+                                    releases=RELEASE_SIDE_CHANNEL if side.host and side.port else "",
                                     kv_sources=frozenset(filter(None, labels.get("kv_sources", "").split(","))),
                                     kv_layout=labels.get("kv_layout", ""),
                                     kv_block_size=int(block_size) if block_size.isdigit() else 0)

@@ -169,13 +169,14 @@ class TransferAgent:
         return await handler(message)
 
     async def _on_release(self, message: Release) -> Ack:
-        """A consumer gave up: end the lease it names, or else hand it to push (it may name a push transfer)."""
+        """A consumer (or a gateway) gave up: end the lease it names. A key held by no lease may name a push
+        transfer, or a hold the engine thread has yet to register (P answers a moment before): push is told, and
+        the lease's end is remembered until its hold arrives."""
         self.stats.releases_received += 1
-        is_hold = self.pull_producer.is_held(message.key)
-        if not is_hold:
+        if not self.pull_producer.is_held(message.key):
             await self.push_producer.on_release(message.key, message.token)  # answered once no write can land
         self.rt.on_event()
-        return self.pull_producer.end(message.key, message.token) if is_hold else Ack(ok=True)
+        return self.pull_producer.end(message.key, message.token)
 
     def _authorize(self, op: str, key: str, token: str, block_ids: list[int]) -> str | None:
         """The capability check every data-plane access passes, by the owner of what it touches: a read of
