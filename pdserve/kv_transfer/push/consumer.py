@@ -4,9 +4,9 @@ The blocks stay D's to fill until P's write-done (or a failure notice) arrives, 
 passes; if D's request ends first, it asks P to stop and still waits for P's last word (or a short grace). A
 registration D gave up on without P's last word is quarantined: P may be writing into its blocks at that very
 moment (a one-sided write cannot be called back), so they are neither recomputed in nor freed until P says it
-stopped, or until a write let in before D gave up has surely ended (`IN_FLIGHT_BOUND_S` after the last one D
-let in; after D gave up, where P writes without asking, as over shared memory). No late write lands
-in blocks D has reused.
+stopped, until its process is gone (its side channel refuses connections), or until a write let in before D gave
+up has surely ended (`IN_FLIGHT_BOUND_S` after the last one D let in; after D gave up, where P writes without
+asking, as over shared memory). No late write lands in blocks D has reused.
 """
 
 from __future__ import annotations
@@ -216,6 +216,11 @@ class PushConsumer:
             try:
                 reply = await self.peers.request(expectation.host, expectation.port, release)
             except Exception as exc:  # noqa: BLE001 - asked again (a lost message); the bound covers a dead peer
+                if await _process_gone(expectation.host, expectation.port):
+                    # Its writes were its own process's copies (a memcpy, a kernel copy, a socket): they died
+                    # with it, so nothing more can land.
+                    self._complete(expectation.transfer_id, ok=False, error="the producer's process is gone")
+                    return
                 log.debug("release of %s not answered (%s); asking again", expectation.transfer_id, exc)
                 await asyncio.sleep(0.5)
                 continue
@@ -223,3 +228,16 @@ class PushConsumer:
                 self._complete(expectation.transfer_id, ok=False,
                                error=f"no write-done within {self.rt.config.push_timeout_s} s")
             return
+
+
+async def _process_gone(host: str, port: int) -> bool:
+    """Whether the producer's side channel refuses connections: its process is gone (a live one, however slow or
+    cut off, accepts or does not answer at all)."""
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 1.0)
+    except ConnectionRefusedError:
+        return True
+    except (OSError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    return False
