@@ -224,7 +224,7 @@ EXTRA_CONFIG_KEYS = frozenset({
     "data_plane", "side_channel_host", "side_channel_port", "kv_lease_duration", "kv_load_timeout", "message_timeout",
     "handshake_timeout", "push_registration_timeout", "capture_messages", "fault_injection", "fault_injection_api",
     "allowed_peers", "vllm_nixl", "vllm_model", "vllm_nixl_port", "vllm_block_size", "vllm_mirror_blocks",
-    "vllm_version"})
+    "vllm_version", "push_quarantine"})
 
 
 def extra_config(kv_cfg: dict[str, Any]) -> dict[str, Any]:
@@ -252,6 +252,7 @@ def agent_config(kv_cfg: dict[str, Any], extra: dict[str, Any], engine_id: str, 
         message_timeout_s=float(extra.get("message_timeout", 10.0)),
         handshake_timeout_s=float(extra.get("handshake_timeout", 5.0)),
         push_timeout_s=float(extra.get("push_registration_timeout", 60.0)),
+        push_quarantine=bool(extra.get("push_quarantine", False)),
         capture_path=extra.get("capture_messages") or os.environ.get("PDSERVE_CAPTURE_MESSAGES"),
         preferred_plane=str(extra.get("data_plane", "auto")), planes=planes, faults=resolve_fault_config(extra),
         peers=PeerPolicy.from_config(extra.get("allowed_peers")))

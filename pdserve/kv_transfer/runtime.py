@@ -37,6 +37,9 @@ class AgentConfig:
     load_timeout_s: float = 60.0
     hold_wait_s: float = 2.0
     push_timeout_s: float = 60.0  # D frees a registration P has not fulfilled by then
+    # Keep the blocks of a push D gave up on out of use until no write of P's can still land in them (P's word,
+    # P's process gone, or the in-flight bound). Off: they are recomputed in at once, the old trade-off.
+    push_quarantine: bool = False
     capture_path: str | None = None  # append every side-channel message here (drills, tests)
     preferred_plane: str = "auto"  # "auto": the first common plane that connects (peers.AUTO_ORDER)
     planes: dict[str, DataPlane] = field(default_factory=dict)

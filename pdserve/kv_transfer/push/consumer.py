@@ -1,12 +1,15 @@
 """D's side of push: register blocks with a producer, let only its writes in, and wait for its write-done.
 
 The blocks stay D's to fill until P's write-done (or a failure notice) arrives, or the registration's deadline
-passes; if D's request ends first, it asks P to stop and still waits for P's last word (or a short grace). A
-registration D gave up on without P's last word is quarantined: P may be writing into its blocks at that very
-moment (a one-sided write cannot be called back), so they are neither recomputed in nor freed until P says it
-stopped, until its process is gone (its side channel refuses connections), or until a write let in before D gave
-up has surely ended (`IN_FLIGHT_BOUND_S` after the last one D let in; after D gave up, where P writes without
-asking, as over shared memory). No late write lands in blocks D has reused.
+passes; if D's request ends first, it asks P to stop and still waits for P's last word (or a short grace).
+
+With `push_quarantine` on, a registration D gave up on without P's last word is quarantined: P may be writing into
+its blocks at that very moment (a one-sided write cannot be called back), so they are neither recomputed in nor
+freed until P says it stopped, until its process is gone (its side channel refuses connections), or until a write
+let in before D gave up has surely ended (`IN_FLIGHT_BOUND_S` after the last one D let in; after D gave up, where
+P writes without asking, as over shared memory); no late write lands in blocks D has reused. The request waits
+with its blocks (up to a minute when P is cut off), which is why it is off by default: then D recomputes at once
+and a write of a P that outlived D's deadline can, rarely, land in the recomputed blocks.
 """
 
 from __future__ import annotations
@@ -198,7 +201,8 @@ class PushConsumer:
         last_write = now if unseen else expectation.last_write
         with self._lock:
             expectation.cancelled = True  # no further write is let in
-            if last_write is not None and last_write + IN_FLIGHT_BOUND_S > now:
+            guarded = self.rt.config.push_quarantine and last_write is not None
+            if guarded and last_write + IN_FLIGHT_BOUND_S > now:
                 expectation.settle_by = last_write + IN_FLIGHT_BOUND_S
                 self.rt.stats.blocks_quarantined += len(expectation.block_ids)
                 asyncio.create_task(self._stop_producer(expectation))
