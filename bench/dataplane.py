@@ -136,7 +136,7 @@ class Paths:
         self.sock = socket.create_connection(tuple(hello["raw"]))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.raw_pool = byte_view(self.planes["tcp"].kv)
-        self.owner_pid, self.cma_from = hello["owner_pids"][0], int(hello["infos"].get("nixl", {}).get("addr", 0))
+        self.owner_pid, self.cma_from = hello["owner_pids"][0], int((hello["infos"].get("nixl", {}).get("bases") or [0])[0])  # the pool starts at layer 0 of block 0
 
     def run(self, method: str, remote: list[int], local: list[int]) -> None:
         n, bb = len(remote), self.block_bytes  # the limits move one contiguous span of the same size, always

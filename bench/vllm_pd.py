@@ -9,8 +9,9 @@ Model: the h256 llama preset with max_position_embeddings raised to fit the long
 a streamed completion -> its first token. Every (round, length, target) gets its own seeded random prompt, so
 nothing hits a prefix cache. Medians per (target, length) and ratios to C and push/nixl are printed.
 
-Five vLLM processes at once (each ~2 GB; NIXL's progress thread busy-polls a core): on a small shared box the
-figures are noisy; compare targets within a run.
+The colocated instance runs throughout; the two disaggregated pairs run one after the other beside it (NIXL's
+progress threads in vLLM's NixlConnector busy-poll a core each, which would slow everything measured beside them),
+so each pair is compared with C in its own rounds.
 
   .venv/bin/python bench/vllm_pd.py --reps 1                         # smoke run
   .venv/bin/python bench/vllm_pd.py --reps 7 --json bench/out/vllm_pd.json
@@ -36,34 +37,29 @@ TARGETS = ("push", "nixl", "C")
 VOCAB = 32000  # the h256 preset's
 
 
-def start_all(model: Path, max_model_len: int, cleanup: H.Cleanup) -> dict[str, str]:
-    """The five vLLM instances (started together, startups overlapping) and a gateway per target: target -> URL."""
+def start_pair(model: Path, max_model_len: int, target: str, cleanup: H.Cleanup) -> tuple[list[Any], str]:
+    """A target's vLLM instances (startups overlapping) and its gateway: (instances, gateway URL)."""
     from pdserve.launcher import start
 
     common = {"max_model_len": max_model_len, "wait": False}
-    vllms = {
-        "push_P": start_vllm(model, name="push-P", kv_transfer_config=pd_connector_config(
-            "kv_both", reserved_port()), **common),
-        "push_D": start_vllm(model, name="push-D", kv_transfer_config=pd_connector_config(
-            "kv_both", reserved_port()), **common),
-        "nixl_P": start_vllm(model, name="nixl-P", role="kv_producer", **common),
-        "nixl_D": start_vllm(model, name="nixl-D", role="kv_consumer", **common),
-        "C": start_vllm(model, name="C", **common),
-    }
-    for instance in vllms.values():
+    if target == "push":
+        made = [start_vllm(model, name=f"push-{r}", kv_transfer_config=pd_connector_config("kv_both", reserved_port()),
+                           **common) for r in "PD"]
+        args = ["--protocol", "push", "--prefill", made[0].url, "--decode", made[1].url]
+    elif target == "nixl":
+        made = [start_vllm(model, name=f"nixl-{r}", role=role, **common)
+                for r, role in (("P", "kv_producer"), ("D", "kv_consumer"))]
+        args = ["--protocol", "pull", "--prefill", made[0].url, "--decode", made[1].url]
+    else:
+        made = [start_vllm(model, name="C", **common)]
+        args = ["--protocol", "colocated", "--both", made[0].url]
+    for instance in made:
         cleanup.add(instance.stop)
-    for instance in vllms.values():
+    for instance in made:
         ready(instance)
-    url = {name: instance.url for name, instance in vllms.items()}
-    argv = {"push": ["--protocol", "push", "--prefill", url["push_P"], "--decode", url["push_D"]],
-            "nixl": ["--protocol", "pull", "--prefill", url["nixl_P"], "--decode", url["nixl_D"]],
-            "C": ["--protocol", "colocated", "--both", url["C"]]}
-    gateways = {}
-    for target, args in argv.items():
-        gateway = start("gateway", ["gateway", "--port", "0", "--log-level", "warning", *args])
-        cleanup.add(gateway.stop)
-        gateways[target] = gateway.url
-    return gateways
+    gateway = start("gateway", ["gateway", "--port", "0", "--log-level", "warning", *args])
+    cleanup.add(gateway.stop)
+    return [*made, gateway], gateway.url
 
 
 def ttft_ms(client: Any, url: str, length: int, seed: int) -> float:
@@ -76,15 +72,17 @@ def ttft_ms(client: Any, url: str, length: int, seed: int) -> float:
 
 
 def summarize(samples: dict[tuple[str, int], list[float]], lengths: list[int]) -> list[dict[str, Any]]:
+    """Medians per (target, length); each pair against the colocated instance measured in its own rounds."""
     rows = []
     for length in lengths:
-        med = {t: H.median(samples[t, length]) for t in TARGETS}
-        rows.append({"length": length, **{f"{t}_ms": med[t] for t in TARGETS},
-                     "push/C": med["push"] / med["C"], "nixl/C": med["nixl"] / med["C"],
-                     "push/nixl": med["push"] / med["nixl"]})
-        print(f"{length:5d} tokens   push {med['push']:7.1f} ms   nixl {med['nixl']:7.1f} ms   C {med['C']:7.1f} ms"
-              f"   push/C {rows[-1]['push/C']:.2f}   nixl/C {rows[-1]['nixl/C']:.2f}   push/nixl "
-              f"{rows[-1]['push/nixl']:.2f}", flush=True)
+        med = {t: H.median(v) for (t, n), v in samples.items() if n == length and v}
+        row = {"length": length, **{f"{t}_ms": m for t, m in med.items()},
+               "push/C": med["push"] / med["C:push"], "nixl/C": med["nixl"] / med["C:nixl"],
+               "push/nixl": med["push"] / med["nixl"]}
+        rows.append(row)
+        print(f"{length:5d} tokens   push {med['push']:7.1f} ms (C {med['C:push']:7.1f})   nixl {med['nixl']:7.1f} ms "
+              f"(C {med['C:nixl']:7.1f})   push/C {row['push/C']:.2f}   nixl/C {row['nixl/C']:.2f}   push/nixl "
+              f"{row['push/nixl']:.2f}", flush=True)
     return rows
 
 
@@ -99,19 +97,30 @@ def main() -> int:
 
     cleanup = H.Cleanup()
     work = cleanup.work_dir("vllm-pd")
-    gateways = start_all(make_model(work, max_model_len), max_model_len, cleanup)
-    print(f"# load {H.loadavg()}; gateways {gateways}", flush=True)
-    samples: dict[tuple[str, int], list[float]] = {(t, n): [] for t in TARGETS for n in lengths}
-    with H.http_client(300) as client:
-        for target in TARGETS:  # warm-up: handshakes, first-request costs
-            ttft_ms(client, gateways[target], lengths[0], seed=-1)
-        for rnd, order in H.rotations(TARGETS, args.reps):
-            for length in lengths:
-                for target in order:
-                    ms = ttft_ms(client, gateways[target], length, seed=rnd * 100_003 + length * 7 + TARGETS.index(target))
-                    samples[target, length].append(ms)
-            print(f"round {rnd}: " + "  ".join(f"{t}@{n} {samples[t, n][-1]:.0f}" for n in lengths for t in TARGETS)
-                  + f"   load {H.loadavg()}", flush=True)
+    model = make_model(work, max_model_len)
+    samples: dict[tuple[str, int], list[float]] = {}
+    _, colocated = start_pair(model, max_model_len, "C", cleanup)
+    # One disaggregated pair at a time beside the colocated instance: the NixlConnector pair's NIXL progress
+    # threads busy-poll a core each, which on a small box would slow every other target measured beside them.
+    for pair_target in ("push", "nixl"):
+        running, url = start_pair(model, max_model_len, pair_target, cleanup)
+        gateways = {pair_target: url, "C": colocated}
+        print(f"# {pair_target}: load {H.loadavg()}; gateways {gateways}", flush=True)
+        with H.http_client(300) as client:
+            for target in gateways:  # warm-up: handshakes, first-request costs
+                ttft_ms(client, gateways[target], lengths[0], seed=-1)
+            for rnd, order in H.rotations(tuple(gateways), args.reps):
+                for length in lengths:
+                    for target in order:
+                        ms = ttft_ms(client, gateways[target], length,
+                                     seed=rnd * 100_003 + length * 7 + TARGETS.index(target) + 50 * (pair_target == "nixl"))
+                        name = f"C:{pair_target}" if target == "C" else target  # C of this pair's rounds
+                        samples.setdefault((name, length), []).append(ms)
+                print(f"{pair_target} round {rnd}: " + "  ".join(f"{t}@{n} {ms:.0f}" for (t, n), v in samples.items()
+                                                                for ms in v[-1:] if t in (pair_target, f"C:{pair_target}"))
+                      + f"   load {H.loadavg()}", flush=True)
+        for process in running:
+            process.stop()
     rows = summarize(samples, lengths)
     H.write_json(args.json, {"args": vars(args), "samples": {f"{t}@{n}": v for (t, n), v in samples.items()},
                              "summary": rows})
