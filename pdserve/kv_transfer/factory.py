@@ -193,13 +193,14 @@ class ConnectorBundle:
         return fields
 
 
-def compatibility_hash(config: EngineConfig, model: ModelSpec) -> str:
-    """Instances may exchange KV only if this matches: model, dtype, KV layout, block size, protocol version."""
+def compatibility_hash(config: EngineConfig, model: ModelSpec, weights: str) -> str:
+    """Instances may exchange KV only if this matches: model (`weights`: its `weight_fingerprint`), dtype, KV
+    layout, block size, protocol version."""
     text = model.text
     identity = {
         "protocol": PROTOCOL_VERSION, "layout": KV_LAYOUT, "block_size": config.block_size,
         "dtype": str(model.dtype), "layers": text.num_layers, "kv_heads": text.num_kv_heads, "head_dim": text.head_dim,
-        "hidden": text.hidden_size, "vocab": text.vocab_size, "weights": weight_fingerprint(model.path),
+        "hidden": text.hidden_size, "vocab": text.vocab_size, "weights": weights,
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
@@ -279,10 +280,11 @@ def build_pd_connector(config: EngineConfig, model: ModelSpec) -> ConnectorBundl
     auto = [name for name in ("shm", "nixl", "tcp") if name in DATA_PLANES]
     plane_names = auto if preferred in ("auto", "shm") else [preferred]
     planes = {name: make_data_plane(name, host) for name in plane_names}
-    settings = agent_config(kv_cfg, extra, engine_id, compatibility_hash(config, model), planes)
+    weights = weight_fingerprint(model.path)  # read once: the hash and the layout identity both name it
+    settings = agent_config(kv_cfg, extra, engine_id, compatibility_hash(config, model, weights), planes)
     text = model.text
     settings.layout = pdserve_layout(config.block_size, text.num_layers, text.num_kv_heads, text.head_dim, model.dtype,
-                                     weight_fingerprint(model.path))
+                                     weights)
     agent = TransferAgent(settings)
     max_blocks = cdiv(model.max_model_len, config.block_size)
     policy = str(kv_cfg.get("kv_load_failure_policy", "recompute"))

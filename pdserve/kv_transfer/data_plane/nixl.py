@@ -98,7 +98,6 @@ def _gone(conn: socket.socket, wait_s: float) -> bool:
 
 class NixlDataPlane(GrantingPlane):
     name = "nixl"
-    stages = False  # its transfers move registered memory only, never a staging area
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         super().__init__(host, port)
