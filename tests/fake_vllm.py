@@ -44,6 +44,7 @@ def make_app(args: argparse.Namespace) -> web.Application:
         if args.poison is not None and body.get("prompt") == args.poison:
             return await _answer_then_close(request)
         if args.fail_status:
+            await asyncio.sleep(args.fail_delay)
             return web.json_response({"error": {"message": "injected failure", "type": "InternalServerError",
                                                 "code": args.fail_status}}, status=args.fail_status)
         counter["n"] += 1
@@ -152,6 +153,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--record", required=True)
     parser.add_argument("--fail-status", type=int, default=0)
+    parser.add_argument("--fail-delay", type=float, default=0.0, help="seconds before --fail-status answers")
     parser.add_argument("--hang", action="store_true")
     parser.add_argument("--die-after-headers", action="store_true")
     parser.add_argument("--engine-id", default="fake-engine")

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve.gateway.policies import LeastLoaded, PrefixAware
 from pdserve.gateway.registry import Instance
 from pdserve.launcher import LaunchError, start, start_command, start_instance
-from server_utils import metric_values, sse_events, wait_until_idle
+from server_utils import metric_values, sse_events, wait_for, wait_until_idle
 
 COMMON = ["--max-model-len", "512", "--num-kv-blocks", "192", "--served-model-name", "tiny"]
 SUPPORTED = [("pull", "batch"), ("pull", "staged"), ("decode-first", "batch"), ("push", "batch")]
@@ -303,6 +303,35 @@ def test_a_decode_that_dies_after_admitting_a_stream_leaves_nothing_held(cluster
         g.stop()
 
 
+def gateway_samples(g) -> dict:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(httpx.get(g.url + "/metrics").text) for s in f.samples}
+
+
+def test_a_release_of_kv_no_longer_held_is_not_counted_as_made(models, recorded):
+    """D fails only after P's lease ran out: P answers the gateway's release with released=false, which the
+    gateway counts as not made (nothing_held), not as a free it made."""
+    start_fake, _ = recorded
+    p = start_instance(models("qwen2"), *COMMON, "--kv-transfer-config",
+                       kv("kv_producer", kv_lease_duration=0.5), name="P-short-lease")
+    slow_bad_d = start_fake("D", "--fail-status", "503", "--fail-delay", "2.5", "--kind", "pdserve")
+    g = gateway("--prefill", p.url, "--decode", slow_bad_d.url, "--retries", "0")
+    try:
+        r = httpx.post(g.url + "/v1/completions", json={"prompt": list(range(30)), "max_tokens": 3}, timeout=30)
+        assert r.status_code == 503
+        wait_until_idle(p.url, timeout=5)
+        not_made = ("pdserve:gateway_kv_releases_not_made_total",
+                    (("not_made", "nothing_held"), ("reason", "decode_not_admitted")))
+        wait_for(lambda: not_made in gateway_samples(g), timeout=10, what="the release answered")
+        samples = gateway_samples(g)
+        assert samples.get(("pdserve:gateway_kv_releases_total", (("reason", "decode_not_admitted"),)), 0) == 0
+        assert samples[not_made] == 1
+        assert metric_values(p.url)["pdserve:kv_lease_expired_requests_total"] == 1
+    finally:
+        g.stop()
+        p.stop()
+
+
 def test_no_release_is_sent_to_vllm_nor_counted(recorded):
     """vLLM has no endpoint to free held KV (its lease frees it): when D refuses, the gateway sends vLLM P no
     release, counts none as made, counts each as not made with the reason, and says so once per instance."""
@@ -312,8 +341,7 @@ def test_no_release_is_sent_to_vllm_nor_counted(recorded):
     try:
         r = httpx.post(g.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=30)
         assert r.status_code == 503
-        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-                   for f in text_string_to_metric_families(httpx.get(g.url + "/metrics").text) for s in f.samples}
+        samples = gateway_samples(g)
         assert samples.get(("pdserve:gateway_kv_releases_total", (("reason", "decode_not_admitted"),)), 0) == 0
         assert samples[("pdserve:gateway_kv_releases_not_made_total",
                         (("not_made", "no_release_endpoint"), ("reason", "decode_not_admitted")))] == 2

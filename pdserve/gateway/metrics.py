@@ -94,7 +94,8 @@ class GatewayMetrics:
                                    "Explicit frees of P's held KV the instance confirmed.", ["reason"], registry=r)
         self.kv_releases_not_made = Counter(
             "pdserve:gateway_kv_releases_not_made", "Frees of held KV the gateway could not make (the instance's "
-            "lease frees it): not_made is no_release_endpoint (vLLM), unreachable or status_<code>.",
+            "lease frees it): not_made is no_release_endpoint (vLLM), unreachable, status_<code>, refused, "
+            "no_transfer_key, or nothing_held (the instance held nothing by that name any more).",
             ["reason", "not_made"], registry=r)
         self.decisions = Counter("pdserve:gateway_disagg_decisions", "Remote or local prefill, with the reason.",
                                  ["decision", "reason"], registry=r)

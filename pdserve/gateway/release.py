@@ -61,12 +61,15 @@ class KVReleaser:
                                                    [(b"content-type", b"application/json")],
                                                    connect_timeout=self.connect_timeout_s,
                                                    header_timeout=self.timeout_s)
-            await response.read(self.timeout_s)
+            answer = await response.read(self.timeout_s)
         except (UpstreamError, UpstreamTimeout) as exc:
             self._not_made(instance, reason, "unreachable", str(exc))
             return
-        if response.status == 200:
+        if response.status == 200 and _released(answer):
             self.metrics.kv_releases.labels(reason).inc()
+            return
+        if response.status == 200:  # nothing was held under that name any more: read, expired or never held
+            self.metrics.kv_releases_not_made.labels(reason, "nothing_held").inc()
             return
         self._not_made(instance, reason, f"status_{response.status}", f"it answered {response.status}")
 
@@ -107,3 +110,12 @@ class KVReleaser:
         if self._zmq is not None:
             self._zmq.destroy(linger=0)
             self._zmq = None
+
+
+def _released(answer: bytes) -> bool:
+    """A pdserve instance answers {"released": bool}; any other 200 body is taken as done."""
+    try:
+        body = msgspec.json.decode(answer)
+    except msgspec.DecodeError:
+        return True
+    return not isinstance(body, dict) or body.get("released") is not False

@@ -81,10 +81,11 @@ class PullProducer:
                 if key is None:
                     self._early_notices[_by_transfer(transfer_id)] = time.monotonic()
                     return False
+            over = key is not None and key in self._ended  # read, released or expired already: nothing to free
         if key is None:
             return False
         self.rt.stats.releases_received += 1
-        return self.end(key, token).ok
+        return self.end(key, token).ok and not over
 
     def take_released(self) -> set[str]:
         with self._lock:
