@@ -13,6 +13,7 @@ from pdserve.ec_transfer.base import ECConnector
 from pdserve.ec_transfer.factory import ec_policy
 from pdserve.ec_transfer.params import ECSource
 from pdserve.engine.faults import EngineFaults
+from pdserve.engine.host_memory import keep_freed_memory
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_runner import ModelRunner, default_kv_allocator
 from pdserve.engine.output_processor import OutputProcessor, RequestOutput
@@ -59,6 +60,7 @@ class LLMEngine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        keep_freed_memory()  # a step reuses the pages the last one freed (see engine/host_memory.py)
         model = model or config.resolve_model()
         self.dtype = model.dtype
         self.max_model_len = model.max_model_len
