@@ -85,7 +85,7 @@ def _thread_cpu(pid: int) -> dict[tuple[int, int], float]:
     return out
 
 
-def demote_idle_spinners(instances: list[Any], window_s: float = 1.0, share: float = 0.3) -> list[str]:
+def demote_idle_spinners(instances: list[Any], window_s: float = 1.0, share: float = 0.1) -> list[str]:
     """Threads of idle `instances` (and their children) that used more than `share` of a core over `window_s`
     are busy-polling: put them under SCHED_IDLE. Returns them as "pid/tid name cpu%"."""
     pids = [pid for instance in instances for pid in H.descendants(instance.pid)]
