@@ -9,9 +9,15 @@ Model: the h256 llama preset with max_position_embeddings raised to fit the long
 a streamed completion -> its first token. Every (round, length, target) gets its own seeded random prompt, so
 nothing hits a prefix cache. Medians per (target, length) and ratios to C and push/nixl are printed.
 
-The colocated instance runs throughout; the two disaggregated pairs run one after the other beside it (NIXL's
-progress threads in vLLM's NixlConnector busy-poll a core each, which would slow everything measured beside them),
-so each pair is compared with C in its own rounds.
+The colocated instance runs throughout; the two disaggregated pairs run one after the other beside it, so each pair
+is compared with C in its own rounds (`--pairs push` measures push against C alone).
+
+vLLM's NixlConnector creates its NIXL agent with the progress thread on and no delay between polls, so a thread in
+each of its P and D busy-polls a core even while idle; on a small box (2 cores) that slows everything beside it
+5-30x. Once the nixl pair is ready, the bench samples the CPU time of every thread of its processes over a second
+and puts the threads that spin while idle under SCHED_IDLE (an OS setting; neither vLLM nor pdserve is patched),
+so the polling takes only CPU nothing else wants. On a box with a core per busy-polling process this would not be
+needed; the threads are printed, and `--no-idle-spinners` leaves them as they are.
 
   .venv/bin/python bench/vllm_pd.py --reps 1                         # smoke run
   .venv/bin/python bench/vllm_pd.py --reps 7 --json bench/out/vllm_pd.json
@@ -20,6 +26,7 @@ so each pair is compared with C in its own rounds.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 import time
@@ -62,6 +69,39 @@ def start_pair(model: Path, max_model_len: int, target: str, cleanup: H.Cleanup)
     return [*made, gateway], gateway.url
 
 
+def _thread_cpu(pid: int) -> dict[tuple[int, int], float]:
+    """utime + stime (clock ticks) of each thread of `pid`, keyed (pid, tid)."""
+    out = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[(pid, int(tid))] = int(fields[11]) + int(fields[12])
+    return out
+
+
+def demote_idle_spinners(instances: list[Any], window_s: float = 1.0, share: float = 0.1) -> list[str]:
+    """Threads of idle `instances` (and their children) that used more than `share` of a core over `window_s`
+    are busy-polling: put them under SCHED_IDLE. Returns them as "pid/tid name cpu%"."""
+    pids = [pid for instance in instances for pid in H.descendants(instance.pid)]
+    before = {k: v for pid in pids for k, v in _thread_cpu(pid).items()}
+    time.sleep(window_s)
+    demoted = []
+    for pid in pids:
+        for (p, tid), ticks in _thread_cpu(pid).items():
+            used = (ticks - before.get((p, tid), ticks)) / H.CLK_TCK / window_s
+            if used > share:
+                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+                name = Path(f"/proc/{p}/task/{tid}/comm").read_text().strip()
+                demoted.append(f"{p}/{tid} {name} {used:.0%}")
+    return demoted
+
+
 def ttft_ms(client: Any, url: str, length: int, seed: int) -> float:
     rng = random.Random(seed)
     body = {"model": SERVED_NAME, "prompt": [rng.randrange(VOCAB) for _ in range(length)], "max_tokens": 4,
@@ -76,13 +116,16 @@ def summarize(samples: dict[tuple[str, int], list[float]], lengths: list[int]) -
     rows = []
     for length in lengths:
         med = {t: H.median(v) for (t, n), v in samples.items() if n == length and v}
-        row = {"length": length, **{f"{t}_ms": m for t, m in med.items()},
-               "push/C": med["push"] / med["C:push"], "nixl/C": med["nixl"] / med["C:nixl"],
-               "push/nixl": med["push"] / med["nixl"]}
+        row: dict[str, Any] = {"length": length, **{f"{t}_ms": m for t, m in med.items()}}
+        for pair in ("push", "nixl"):
+            if pair in med:
+                row[f"{pair}/C"] = med[pair] / med[f"C:{pair}"]
+                print(f"{length:5d} tokens   {pair} {med[pair]:7.1f} ms (C {med[f'C:{pair}']:7.1f})   {pair}/C "
+                      f"{row[f'{pair}/C']:.2f}", flush=True)
+        if "push" in med and "nixl" in med:
+            row["push/nixl"] = med["push"] / med["nixl"]
+            print(f"{length:5d} tokens   push/nixl {row['push/nixl']:.2f}", flush=True)
         rows.append(row)
-        print(f"{length:5d} tokens   push {med['push']:7.1f} ms (C {med['C:push']:7.1f})   nixl {med['nixl']:7.1f} ms "
-              f"(C {med['C:nixl']:7.1f})   push/C {row['push/C']:.2f}   nixl/C {row['nixl/C']:.2f}   push/nixl "
-              f"{row['push/nixl']:.2f}", flush=True)
     return rows
 
 
@@ -90,8 +133,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", default="256,1024,2048")
     ap.add_argument("--reps", type=int, default=5, help="rounds; each measures every (target, length) once")
+    ap.add_argument("--pairs", default="push,nixl", help="the disaggregated pairs to measure beside C")
+    ap.add_argument("--no-idle-spinners", action="store_true",
+                    help="leave the nixl pair's busy-polling threads at normal priority")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    pairs = [p for p in args.pairs.split(",") if p]
     lengths = [int(n) for n in args.lengths.split(",")]
     max_model_len = max(lengths) + 64
 
@@ -102,8 +149,11 @@ def main() -> int:
     _, colocated = start_pair(model, max_model_len, "C", cleanup)
     # One disaggregated pair at a time beside the colocated instance: the NixlConnector pair's NIXL progress
     # threads busy-poll a core each, which on a small box would slow every other target measured beside them.
-    for pair_target in ("push", "nixl"):
+    for pair_target in pairs:
         running, url = start_pair(model, max_model_len, pair_target, cleanup)
+        if pair_target == "nixl" and not args.no_idle_spinners:
+            print(f"# nixl: SCHED_IDLE for its idle busy-polling threads: {demote_idle_spinners(running[:2])}",
+                  flush=True)
         gateways = {pair_target: url, "C": colocated}
         print(f"# {pair_target}: load {H.loadavg()}; gateways {gateways}", flush=True)
         with H.http_client(300) as client:

@@ -140,6 +140,8 @@ class PushProducer:
                               error="" if source.handed_off else "the prefill request ended without its KV")
 
     def save_layer(self, layer: int) -> None:
+        if self.link.has_work():
+            self._attach_midstep(layer)
         for chunk in self._step:
             source = self.sources.get(chunk.transfer_id)
             if source is None or source.registration is None or source.released:
@@ -147,6 +149,20 @@ class PushProducer:
             self._write(source, chunk.start, chunk.end, layer)
             if layer == self.num_layers - 1 and chunk.last:
                 self._submit_done(source, ok=True)
+
+    def _attach_midstep(self, layer: int) -> None:
+        """A registration that arrives while this step computes joins it now rather than at the next step: the
+        step's layers already computed are written at once and the rest as they come, so write-done follows the
+        step's last layer instead of waiting for P's next step and a whole-prompt catch-up."""
+        unregistered = {c.transfer_id for c in self._step if (s := self.sources.get(c.transfer_id)) is not None
+                        and s.registration is None}
+        self.start_step()
+        for chunk in self._step:
+            source = self.sources.get(chunk.transfer_id)
+            if chunk.transfer_id in unregistered and source is not None and source.registration is not None \
+                    and not source.released:
+                for earlier in range(layer):
+                    self._write(source, chunk.start, chunk.end, earlier)
 
     def writes_this_step(self) -> bool:
         """Whether this step has layers to write once saved (a device cache must finish computing them first)."""
