@@ -22,6 +22,7 @@
 #include <limits>
 #include <vector>
 
+#include "attention_avx512.h"
 #include "vec_math.h"
 
 namespace {
@@ -145,6 +146,19 @@ void run(const Shape& s, const at::Tensor& q, const at::Tensor& cache, const at:
   const int64_t* tp = table.data_ptr<int64_t>();
   const int64_t* lp = lengths.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
+#if defined(__AVX512F__)
+  if constexpr (HD == 64 || HD == 128) {
+    at::parallel_for(0, q.size(0) * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t seq = item / s.kv_heads, h = item % s.kv_heads;
+        const int64_t offset = (seq * s.heads + h * s.group) * s.head_dim;
+        pdserve_native::avx512::attend<HD>(qp + offset, s.scale, s.group, cp + h * s.head_stride, s.block_stride,
+                                           s.kv_stride, s.block_size, tp + seq * s.max_blocks, lp[seq], op + offset);
+      }
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, q.size(0) * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
     Scratch w(s);
     for (int64_t item = begin; item < end; ++item) {
