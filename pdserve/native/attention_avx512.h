@@ -134,7 +134,7 @@ class GroupAttention {
     for (int g = 0; g < G; ++g) {
       const __m512 s = _mm512_mask_blend_ps(live, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), scores[g]);
       const float new_max = std::max(m_[g], _mm512_reduce_max_ps(s));
-      // 0 on the first chunk (m = -inf); the max of the portable path's per-block maxima, so the same value.
+      // On the first chunk m is -inf and the correction is exp(-87), of no weight: acc and l are still zero.
       const float correction = _mm512_cvtss_f32(exp_nonpositive(_mm512_set1_ps(m_[g] - new_max)));
       const __m512 e = _mm512_maskz_mov_ps(live, exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
       l_[g] = l_[g] * correction + _mm512_reduce_add_ps(e);
@@ -164,16 +164,6 @@ class GroupAttention {
   }
 };
 
-// The next block's rows are requested while this one is worked on: a block's keys of one head are a few KiB at
-// a random place in the pool, too short for the hardware prefetcher to catch on before they are read.
-template <typename T>
-inline void prefetch(const T* rows, int64_t count) {
-  const char* p = reinterpret_cast<const char*>(rows);
-  for (int64_t offset = 0; offset < count * static_cast<int64_t>(sizeof(T)); offset += 64) {
-    _mm_prefetch(p + offset, _MM_HINT_T0);
-  }
-}
-
 // One sequence's G query heads of one KV head over the blocks its table names; `cache` points at that KV head's
 // rows in block 0.
 template <int HD, int G, typename T>
@@ -183,12 +173,6 @@ void attend_group(const T* q, float scale, const T* cache, int64_t block_stride,
   for (int64_t b = 0; b * block_size < length; ++b) {
     const T* keys = cache + table[b] * block_stride;
     const int64_t n = std::min(block_size, length - b * block_size);
-    if ((b + 1) * block_size < length) {
-      const T* next = cache + table[b + 1] * block_stride;
-      const int64_t rows = std::min(block_size, length - (b + 1) * block_size) * HD;
-      prefetch(next, rows);
-      prefetch(next + kv_stride, rows);
-    }
     for (int64_t t = 0; t < n; t += kChunk) {
       state.chunk(keys + t * HD, keys + kv_stride + t * HD, std::min(kChunk, n - t));
     }
