@@ -23,7 +23,7 @@ import torch
 
 HERE = Path(__file__).parent
 SOURCES = (HERE / "paged_attention.cpp", HERE / "pointwise.cpp")
-HEADERS = (HERE / "vec_math.h",)
+HEADERS = (HERE / "vec_math.h", HERE / "attention_avx512.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
 BUILD_TIMEOUT_S = 600.0
 

@@ -2,9 +2,10 @@
 //
 // One decode token per sequence attends over its context, which lives in the blocks its block table names. The
 // torch path gathers every sequence's context into a contiguous copy per layer before attending; this kernel walks
-// the block table once per (sequence, kv head) and keeps a running (online) softmax, so nothing is copied but one
-// block's keys and values at a time (and only for bf16, converted to fp32 in a tile that stays in L1).
-// All query heads of a kv head (GQA's group) are attended together, so each key and value is read once per group.
+// the block table once per (sequence, kv head) and keeps a running (online) softmax, so nothing is copied (the
+// portable loops below widen a bf16 block into a tile that stays in L1; the AVX-512 ones for head_dim 64 and 128,
+// in attention_avx512.h, widen rows in registers). All query heads of a kv head (GQA's group) are attended
+// together, so each key and value is read once per group.
 //
 // layer_cache is one layer's view of the pool [num_blocks, 2, kv_heads, block_size, head_dim]; only the last three
 // dimensions need to be dense, the block and K/V strides are taken from the tensor (the layer axis sits between
@@ -22,6 +23,7 @@
 #include <limits>
 #include <vector>
 
+#include "attention_avx512.h"
 #include "vec_math.h"
 
 namespace {
@@ -150,7 +152,16 @@ void run(const Shape& s, const at::Tensor& q, const at::Tensor& cache, const at:
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / s.kv_heads, h = item % s.kv_heads;
       const int64_t offset = (seq * s.heads + h * s.group) * s.head_dim;
-      attend<HD>(s, qp + offset, cp + h * s.head_stride, tp + seq * s.max_blocks, lp[seq], op + offset, w);
+      const T* cache_h = cp + h * s.head_stride;
+      const int64_t* table_s = tp + seq * s.max_blocks;
+#if defined(__AVX512F__)
+      if constexpr (HD == 64 || HD == 128) {
+        pdserve_native::avx512::attend<HD>(qp + offset, s.scale, s.group, cache_h, s.block_stride, s.kv_stride,
+                                           s.block_size, table_s, lp[seq], op + offset);
+        continue;
+      }
+#endif
+      attend<HD>(s, qp + offset, cache_h, table_s, lp[seq], op + offset, w);
     }
   });
 }
