@@ -66,8 +66,10 @@ class DecoderLayer:
         norm, which does it in the same pass (vLLM's layout; the sums are the ones Hugging Face computes)."""
         ops = ctx.ops
         normed, residual = self.input_norm.with_residual(hidden, residual, ops)
-        # One view and one split of the fused projection: q, k and v as per-head views of its output.
-        q, k, v = self.qkv(normed).view(-1, self.heads_per_token, self.head_dim).split(self.head_split, dim=1)
+        # One view and one split of the fused projection: q, k and v as per-head views of its output
+        # (split_with_sizes is Tensor.split without its Python wrapper).
+        heads = self.qkv(normed).view(-1, self.heads_per_token, self.head_dim)
+        q, k, v = heads.split_with_sizes(self.head_split, dim=1)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = ops.rotary_and_cache(positions, q, k, v, self.rotary.cos, self.rotary.sin, layer_cache, ctx.attn)
