@@ -53,11 +53,11 @@ def test_silu_and_mul_equals_torch(native, dtype, rows, scale) -> None:  # noqa:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens", [1, 5, 300])
+@pytest.mark.parametrize("tokens", [1, 5, 1000])
 def test_rotary_and_cache_equals_torch(native, dtype, tokens) -> None:  # noqa: F811
     """q, k and v are views of one fused projection, as in the model; the cache view is one layer of a pool of
-    three (strided); every token goes to its own slot, scattered over the pool."""
-    heads, kv_heads, head_dim, block, num_blocks = 6, 2, 32, 4, 128
+    three (strided); every token goes to its own slot, scattered over the pool; 1000 tokens split over threads."""
+    heads, kv_heads, head_dim, block, num_blocks = 6, 2, 32, 4, 512
     g = torch.Generator().manual_seed(tokens)
     rotary = RotaryEmbedding(RopeConfig(theta=10000.0), head_dim, 1024, dtype)
     qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g) * 3).to(dtype)

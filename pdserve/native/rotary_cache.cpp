@@ -59,7 +59,9 @@ void run(const Views& a, const at::Tensor& cos_table, const at::Tensor& sin_tabl
   T* cache = a.cache.data_ptr<T>();
   const T* cos = cos_table.data_ptr<T>();
   const T* sin = sin_table.data_ptr<T>();
-  const int64_t grain = std::max<int64_t>(1, 32768 / ((heads + 2 * kv_heads) * D));
+  // A few flops per element: threads pay only for prefill chunks; a decode batch (64 tokens) stays on the calling
+  // thread, where a parallel region would wait on a second core that another process may hold.
+  const int64_t grain = std::max<int64_t>(1, 131072 / ((heads + 2 * kv_heads) * D));
   at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* c = cos + a.positions[t] * cos_table.stride(0);
