@@ -71,8 +71,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cac
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim]. Returns [tokens, heads, head_dim]."""
     write_kv(layer_cache, k, v, meta)
-    out = torch.empty_like(q)
+    return attend_written(q, k, v, layer_cache, meta, scale)
+
+
+def attend_written(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
+                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """paged_attention once this step's k and v are in the cache (a fused rotary embedding wrote them)."""
     nd = meta.num_decode_tokens
+    if nd == q.shape[0]:  # decodes only, the steady state: their output is the whole output, no copy into one
+        return _decode_attention(q, layer_cache, meta, scale)
+    out = torch.empty_like(q)
     if nd:
         out[:nd] = _decode_attention(q[:nd], layer_cache, meta, scale)
     for chunk in meta.prefills:

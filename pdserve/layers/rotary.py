@@ -32,7 +32,8 @@ def _llama3_scaled(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding:
-    """Cos/sin tables computed once; applied in the 'rotate half' (GPT-NeoX) layout that HF Llama uses."""
+    """Cos/sin tables computed once, applied by `apply_rotary` (or its fused native version, which also writes the KV
+    cache) in the 'rotate half' (GPT-NeoX) layout that HF Llama uses."""
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu") -> None:
@@ -44,11 +45,14 @@ class RotaryEmbedding:
         self.sin = freqs.sin().to(dtype=dtype, device=device)
         self.max_positions = max_positions
 
-    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]; positions: [tokens]."""
-        cos = self.cos.index_select(0, positions).unsqueeze(1)
-        sin = self.sin.index_select(0, positions).unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_table: torch.Tensor,
+                 sin_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim] rotated by the tables' rows at `positions`
+    (new tensors; the inputs are not modified)."""
+    cos = cos_table.index_select(0, positions).unsqueeze(1)
+    sin = sin_table.index_select(0, positions).unsqueeze(1)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from pdserve.layers.attention import AttentionMetadata, paged_attention
+from pdserve.layers.attention import AttentionMetadata, attend_written
 from pdserve.layers.linear import Linear, calibrate_linears
 from pdserve.layers.pointwise import TORCH_POINTWISE, PointwiseOps, RMSNorm
 from pdserve.layers.rotary import RotaryEmbedding
@@ -57,7 +57,8 @@ class DecoderLayer:
         self.q_norm = RMSNorm(weights["q_norm"], cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(weights["k_norm"], cfg.rms_norm_eps) if cfg.qk_norm else None
         self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.heads_per_token = cfg.num_heads + 2 * cfg.num_kv_heads
+        self.head_split = (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads)
 
     def __call__(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                  layer_cache: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,15 +66,14 @@ class DecoderLayer:
         norm, which does it in the same pass (vLLM's layout; the sums are the ones Hugging Face computes)."""
         ops = ctx.ops
         normed, residual = self.input_norm.with_residual(hidden, residual, ops)
-        qkv = self.qkv(normed)
-        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        # One view and one split of the fused projection: q, k and v as per-head views of its output
+        # (split_with_sizes is Tensor.split without its Python wrapper).
+        heads = self.qkv(normed).view(-1, self.heads_per_token, self.head_dim)
+        q, k, v = heads.split_with_sizes(self.head_split, dim=1)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        attn_out = paged_attention(q, k, v, layer_cache, ctx.attn, self.scale)
+        q, k = ops.rotary_and_cache(positions, q, k, v, self.rotary.cos, self.rotary.sin, layer_cache, ctx.attn)
+        attn_out = attend_written(q, k, v, layer_cache, ctx.attn, self.scale)
         hidden = self.o_proj(attn_out.reshape(-1, self.q_size))
         normed, residual = self.post_attention_norm.with_residual(hidden, residual, ops)
         return self.down(ops.silu_and_mul(self.gate_up(normed))), residual

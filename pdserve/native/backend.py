@@ -15,7 +15,7 @@ import os
 import torch
 
 from pdserve.config import ATTENTION_BACKENDS
-from pdserve.layers.attention import DecodeKernel
+from pdserve.layers.attention import AttentionMetadata, DecodeKernel
 from pdserve.layers.pointwise import TORCH_POINTWISE, PointwiseOps
 from pdserve.native.build import cached_library, ensure_built, load_library
 
@@ -50,7 +50,15 @@ def native_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.ops.pdserve.silu_and_mul(gate_up)
 
 
-NATIVE_POINTWISE = PointwiseOps(native_rms_norm, native_add_rms_norm, native_silu_and_mul)
+def native_rotary_and_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            cos: torch.Tensor, sin: torch.Tensor, layer_cache: torch.Tensor,
+                            meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    torch.ops.pdserve.rotary_embedding_and_cache(positions, q, k, v, cos, sin, layer_cache, meta.slot_block,
+                                                 meta.slot_offset)
+    return q, k
+
+
+NATIVE_POINTWISE = PointwiseOps(native_rms_norm, native_add_rms_norm, native_silu_and_mul, native_rotary_and_cache)
 
 
 def pointwise_ops_for(decode_kernel: DecodeKernel | None) -> PointwiseOps:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "paged_attention.cpp", HERE / "pointwise.cpp")
+SOURCES = (HERE / "paged_attention.cpp", HERE / "pointwise.cpp", HERE / "rotary_cache.cpp")
 HEADERS = (HERE / "vec_math.h", HERE / "attention_avx512.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
 BUILD_TIMEOUT_S = 600.0
