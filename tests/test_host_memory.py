@@ -1,5 +1,6 @@
-"""The engine's allocator tuning: a large block freed and allocated again reuses resident pages (no page faults),
-where glibc's defaults unmap it on free and fault every page in again. Counted by the kernel, in a fresh process."""
+"""The engine's allocator tuning: the large temporaries of a forward pass, freed and allocated again step after step,
+come back resident (no page faults), where glibc's defaults unmap them on free and fault every page in again.
+Counted by the kernel, in a fresh process."""
 
 from __future__ import annotations
 
@@ -11,18 +12,21 @@ import sys
 import pytest
 
 PROBE = r"""
-import json, resource, sys
+import json, resource
 import torch
 from pdserve.engine.host_memory import keep_freed_memory
 applied = keep_freed_memory()
-def faults_of_a_touched_block():
+def step():  # a forward's pattern: overlapping temporaries of a few sizes, all above glibc's mmap thresholds
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB: above any mmap threshold glibc picks on its own
+    x = torch.ones(48 << 20, dtype=torch.uint8)
+    y = torch.ones(96 << 20, dtype=torch.uint8)
+    del x
+    z = torch.ones(64 << 20, dtype=torch.uint8)
+    del y, z
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-faults_of_a_touched_block(), faults_of_a_touched_block()  # warm: torch's first-use allocations settle
-print(json.dumps({"applied": applied, "faults": [faults_of_a_touched_block() for _ in range(3)]}))
+print(json.dumps({"applied": applied, "faults": [step() for _ in range(12)]}))
 """
-PAGES = (64 << 20) // 4096
+STEP_PAGES = ((48 + 96 + 64) << 20) // 4096
 
 
 def probe(tuning: str) -> dict:
@@ -33,8 +37,8 @@ def probe(tuning: str) -> dict:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt and the fault counter are Linux/glibc's")
-def test_a_freed_block_is_reused_without_faulting_its_pages_in_again():
+def test_a_steps_temporaries_are_reused_without_faulting_their_pages_in_again():
     tuned, default = probe("1"), probe("0")
     assert tuned["applied"] and not default["applied"]
-    assert max(tuned["faults"]) < PAGES // 20  # the 64 MiB comes back resident
-    assert min(default["faults"]) > PAGES // 2  # the control: glibc's defaults map it anew each time
+    assert max(tuned["faults"][-3:]) < STEP_PAGES // 20  # settled: every temporary comes back resident
+    assert min(default["faults"][-3:]) > STEP_PAGES // 2  # the control: glibc's defaults map them anew each step
