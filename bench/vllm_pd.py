@@ -16,8 +16,9 @@ vLLM's NixlConnector creates its NIXL agent with the progress thread on and no d
 each of its P and D busy-polls a core even while idle; on a small box (2 cores) that slows everything beside it
 5-30x. Once the nixl pair is ready, the bench samples the CPU time of every thread of its processes over a second
 and puts the threads that spin while idle under SCHED_IDLE (an OS setting; neither vLLM nor pdserve is patched),
-so the polling takes only CPU nothing else wants. On a box with a core per busy-polling process this would not be
-needed; the threads are printed, and `--no-idle-spinners` leaves them as they are.
+so the polling takes only CPU nothing else wants; the threads are printed, and `--no-idle-spinners` leaves them as
+they are. Measured on 2 vCPUs it was not enough: C beside the nixl pair still ran 10-20x slower than beside the push
+pair, so push against nixl needs a box with a core per busy-polling process (docs/benchmarks.md section 10).
 
   .venv/bin/python bench/vllm_pd.py --reps 1                         # smoke run
   .venv/bin/python bench/vllm_pd.py --reps 7 --json bench/out/vllm_pd.json
