@@ -1,10 +1,15 @@
-"""The measured per-shape linear choice (PDSERVE_LINEAR_BACKEND=auto): small batches on F.linear beside oneDNN's
-packed weights. Both kernels must give the same greedy tokens, transformers' in fp32, whichever a row count takes."""
+"""Which kernel a linear's rows take beside oneDNN's packed weights: by default a single fp32 row on F.linear
+where MKL serves it well (gemv), `onednn` packed weights only, `auto` measured per shape. Every choice must give
+transformers' greedy tokens in fp32, whichever kernel a row count takes."""
 
 from __future__ import annotations
 
+import platform
+import sys
+
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import random_prompt
 from test_oracle import NUM_TOKENS, PROMPT_LENGTHS, check_against_hf
 
@@ -14,12 +19,40 @@ from pdserve.layers.linear import CALIBRATION_ROWS, Linear, calibrate_linears, o
 pytestmark = pytest.mark.skipif(not onednn_available(torch.device("cpu")), reason="no oneDNN: F.linear only")
 
 
+def _onednn(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
+
+
+def test_by_default_a_single_fp32_row_takes_f_linear_and_bf16_stays_on_onednn(monkeypatch) -> None:
+    monkeypatch.delenv(linear.LINEAR_ENV_VAR, raising=False)
+    monkeypatch.setattr(linear, "mkl_gemv_preferred", lambda: True)
+    fp32, bf16 = torch.randn(96, 2048), torch.randn(96, 2048, dtype=torch.bfloat16)
+    layers = [Linear(fp32), Linear(bf16)]
+    calibrate_linears(layers, [fp32, bf16])
+    assert layers[0].plain is fp32 and layers[0].plain_rows == 1  # the loaded weight kept, not copied
+    assert layers[1].plain is None and layers[1].plain_rows == 0
+    x = torch.randn(2, 2048)
+    # Bit for bit: one row is MKL's GEMV, two rows are oneDNN's, whatever else the process did before.
+    assert torch.equal(layers[0](x[:1]), F.linear(x[:1], fp32))
+    assert torch.equal(layers[0](x), _onednn(layers[0], x))
+    for backend, preferred in (("gemv", False), ("onednn", True)):  # a CPU without MKL's tuned GEMV; opted out
+        monkeypatch.setenv(linear.LINEAR_ENV_VAR, backend)
+        monkeypatch.setattr(linear, "mkl_gemv_preferred", lambda preferred=preferred: preferred)
+        onednn_only = Linear(fp32)
+        calibrate_linears([onednn_only], [fp32])
+        assert onednn_only.plain is None and torch.equal(onednn_only(x[:1]), _onednn(onednn_only, x[:1]))
+    monkeypatch.setenv(linear.LINEAR_ENV_VAR, "fast")
+    with pytest.raises(ValueError, match="PDSERVE_LINEAR_BACKEND='fast'.*onednn, gemv, auto"):
+        calibrate_linears([Linear(fp32)], [fp32])
+
+
 def test_calibration_keeps_plain_weights_only_where_asked(monkeypatch) -> None:
     weight = torch.randn(48, 32)
     layers = [Linear(weight), Linear(weight)]
-    calibrate_linears(layers, [weight, weight])  # the default is oneDNN alone
-    assert all(layer.plain is None and layer.plain_rows == 0 for layer in layers)
     monkeypatch.setenv(linear.LINEAR_ENV_VAR, "auto")
+    monkeypatch.setattr(linear, "PLAIN_MARGIN", 0.0)  # F.linear never wins
+    calibrate_linears(layers, [weight, weight])
+    assert all(layer.plain is None and layer.plain_rows == 0 for layer in layers)
     monkeypatch.setattr(linear, "PLAIN_MARGIN", float("inf"))  # F.linear "wins" every count
     calibrate_linears(layers, [weight, weight])
     assert all(layer.plain_rows == CALIBRATION_ROWS[-1] for layer in layers)
@@ -28,9 +61,20 @@ def test_calibration_keeps_plain_weights_only_where_asked(monkeypatch) -> None:
         torch.testing.assert_close(layers[0](x[:rows]), x[:rows] @ weight.T, atol=1e-5, rtol=1e-5)
 
 
-def test_engine_on_both_linear_paths_matches_transformers(monkeypatch, models, make_llm, hf_models) -> None:
-    monkeypatch.setenv(linear.LINEAR_ENV_VAR, "auto")
-    monkeypatch.setattr(linear, "PLAIN_MARGIN", float("inf"))  # decode (1 row) on F.linear, prefill on oneDNN
+@pytest.mark.parametrize("backend", ["onednn", "auto"])
+def test_engine_on_the_other_linear_choices_matches_transformers(backend, monkeypatch, models, make_llm,
+                                                                 hf_models) -> None:
+    """The default (gemv) is what the oracle tests run (on Intel: F.linear decode); these are the packed-only path
+    and F.linear up to 16 rows."""
+    monkeypatch.setenv(linear.LINEAR_ENV_VAR, backend)
+    monkeypatch.setattr(linear, "PLAIN_MARGIN", float("inf"))  # auto: decode and short chunks on F.linear
     prompts = [random_prompt(n, seed=n) for n in PROMPT_LENGTHS]
-    compared = check_against_hf(make_llm, hf_models, models("llama"), prompts, "llama, F.linear decode")
+    compared = check_against_hf(make_llm, hf_models, models("llama"), prompts, f"llama, linears {backend}")
     assert compared >= len(prompts) * NUM_TOKENS // 2
+
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or sys.platform != "linux", reason="x86-64 Linux only")
+def test_the_vendor_is_read_on_x86_linux() -> None:
+    # An empty answer here would silently keep every fp32 GEMV on the slower kernel.
+    assert linear.cpu_vendor() in ("GenuineIntel", "AuthenticAMD", "HygonGenuine", "CentaurHauls")

@@ -1,8 +1,8 @@
 """Linear layers whose weights are prepared once for the fastest kernel the device has.
 
-On CPU, oneDNN with weights reordered ahead of time is 2x faster than ``F.linear`` for the skinny GEMMs of
-batched decode and reaches DRAM bandwidth for batch-1 GEMV (measured in docs/decisions.md). Elsewhere, and when
-oneDNN is missing, the plain ``F.linear`` path is used.
+On CPU, oneDNN with weights reordered ahead of time is the faster kernel for the skinny GEMMs of batched decode and
+for prefill, and for bf16 GEMVs; a single fp32 row goes faster through ``F.linear`` (measured in
+docs/decisions.md). Elsewhere, and when oneDNN is missing, the plain ``F.linear`` path is used.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class Linear:
     """y = x @ W^T + b with W prepared for the device's best kernel. Not an nn.Module: weights never train.
 
     With oneDNN, inputs of at most `plain_rows` rows still take ``F.linear`` on the plain weight, which is then
-    kept beside the packed one; `calibrate_linears` sets it where that measured faster (fp32 batch-1 GEMVs)."""
+    kept beside the packed one; `calibrate_linears` sets it (by default: fp32 single rows, batch-1 decode)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, use_onednn: bool | None = None) -> None:
         self.bias = bias
@@ -57,27 +57,58 @@ class Linear:
         return F.linear(x, self.plain, self.bias)
 
 
-LINEAR_ENV_VAR = "PDSERVE_LINEAR_BACKEND"  # onednn (default): packed weights only; auto: calibrate_linears
+# onednn: packed weights only (the least memory). gemv (default): as onednn, but a single fp32 row takes F.linear
+# on a plain copy where MKL serves it well. auto: F.linear wherever calibrate_linears measures it faster.
+LINEAR_ENV_VAR = "PDSERVE_LINEAR_BACKEND"
+LINEAR_BACKENDS = ("onednn", "gemv", "auto")
 CALIBRATION_ROWS = (1, 2, 4, 8, 16)
 PLAIN_MARGIN = 0.9  # F.linear must be this much faster to be worth a second copy of the weight
 
 
-def calibrate_linears(linears: list[Linear], weights: list[torch.Tensor]) -> None:
-    """Per weight shape, time F.linear against oneDNN at a few small row counts (a few ms) and keep the plain
-    weight for the counts where F.linear wins (fp32 GEMVs on some CPUs); weights[i] is linears[i]'s plain weight.
+def cpu_vendor() -> str:
+    """The x86 vendor string ("GenuineIntel", "AuthenticAMD"), or "" where the kernel does not report one."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+            for line in info:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
-    Opt-in ($PDSERVE_LINEAR_BACKEND=auto): the choice depends on the moment's timings, so two instances may decide
-    differently, and fp32 rounding differs between the two kernels; instances that must agree token for token
-    (disaggregated against colocated) keep the default."""
-    if os.environ.get(LINEAR_ENV_VAR, "onednn") != "auto":
-        return
+
+def mkl_gemv_preferred() -> bool:
+    """Whether F.linear's single-row fp32 GEMV (MKL's) beats oneDNN's here: on Intel CPUs MKL streams the weights at
+    ~30 GB/s against oneDNN's ~24; on AMD, where MKL does not take its tuned paths, it was 2x slower than oneDNN."""
+    return torch.backends.mkl.is_available() and cpu_vendor() == "GenuineIntel"
+
+
+def calibrate_linears(linears: list[Linear], weights: list[torch.Tensor]) -> None:
+    """Decide, per linear, up to how many rows take F.linear beside oneDNN; weights[i] is linears[i]'s plain weight.
+
+    gemv: fp32 single rows where `mkl_gemv_preferred` (batch-1 decode ~15 % faster, measured in docs/decisions.md);
+    from two rows up oneDNN is the faster kernel. The rule is fixed per machine, never timed, so every instance on
+    a machine decides alike; and one row is where oneDNN's own fp32 rounding already departs from its multi-row
+    result (its GEMV, for long rows; 2 to 600 rows agree bit for bit), so rows in batches of two or more round as
+    before, whatever the batch. Costs a second copy of the fp32 weights; bf16 is untouched (oneDNN wins there at
+    every count).
+    auto (opt-in): per weight shape, time both kernels at a few small row counts (a few ms) and keep the plain
+    weight for the counts where F.linear wins. The choice depends on the moment's timings, so two instances may
+    decide differently; instances that must agree token for token (disaggregated against colocated) keep gemv."""
+    backend = os.environ.get(LINEAR_ENV_VAR, "gemv")
+    if backend not in LINEAR_BACKENDS:
+        raise ValueError(f"{LINEAR_ENV_VAR}={backend!r}: expected one of {', '.join(LINEAR_BACKENDS)}")
+    gemv_rows = 1 if backend == "gemv" and mkl_gemv_preferred() else 0
     decided: dict[tuple[tuple[int, ...], torch.dtype], int] = {}
     for linear, weight in zip(linears, weights, strict=True):
-        if linear.packed is None:
+        if linear.packed is None or backend == "onednn":
             continue
         key = (tuple(weight.shape), weight.dtype)
         if key not in decided:
-            decided[key] = _plain_rows(linear, weight.contiguous())
+            if backend == "gemv":
+                decided[key] = gemv_rows if weight.dtype == torch.float32 else 0
+            else:
+                decided[key] = _plain_rows(linear, weight.contiguous())
         if decided[key]:
             linear.plain, linear.plain_rows = weight.contiguous(), decided[key]
 
