@@ -1,7 +1,7 @@
 """The native fused row-wise ops (RMSNorm, residual add + RMSNorm, SiLU * mul, rotary embedding + KV cache write)
 against the plain-torch ops they replace: fp32 and bf16, one row (the calling thread) and many (split over
-threads), rows that are views of a wider tensor, and activations large enough that torch's SiLU goes subnormal. The engine's greedy tokens on them
-are checked, with the native attention, in test_native_attention.py."""
+threads), rows that are views of a wider tensor, and activations large enough that torch's SiLU goes subnormal.
+The engine's greedy tokens on them are checked, with the native attention, in test_native_attention.py."""
 
 from __future__ import annotations
 

@@ -5,11 +5,11 @@ mapping and unmaps it on free, and trims the top of its heap whenever enough of 
 activations are tens of MiB each (8192 tokens x a 4096-wide MLP in fp32 is 128 MiB), so every step faults all of
 their pages in again, zeroed by the kernel: about 700k page faults (2.8 GB) per 8192-token prefill step of a 124.7M
 model, measured. vLLM-CPU preloads tcmalloc into its workers for the same reason. An engine process instead tells
-glibc to serve large blocks from its heap and not to trim it, so a step reuses the pages the previous one freed: the process keeps
-its peak working set resident (plus some slack: glibc's aligned allocations leave gaps it fills only over a few
-steps), as it would under tcmalloc. Preloading tcmalloc needs the process started with LD_PRELOAD, which this cannot
-arrange for every way an engine is started; see docs/decisions.md for the three measured side by side. The KV cache
-is allocated once and is unaffected. `PDSERVE_MALLOC_TUNING=0` leaves glibc's defaults.
+glibc to serve large blocks from its heap and not to trim it, so a step reuses the pages the previous one freed:
+the process keeps its peak working set resident (plus some slack: glibc's aligned allocations leave gaps it fills
+only over a few steps), as it would under tcmalloc. Preloading tcmalloc needs the process started with LD_PRELOAD,
+which this cannot arrange for every way an engine is started; see docs/decisions.md for the three measured side by
+side. The KV cache is allocated once and is unaffected. `PDSERVE_MALLOC_TUNING=0` leaves glibc's defaults.
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from pdserve.utils import cpuinfo_line
+
 
 # oneDNN compiles one primitive per GEMM shape and ideep caches each shape's descriptor, 1024 of each by default at
 # ~0.6 MB a pair. A serving step's token count varies from step to step, so every count seen adds entries until
@@ -67,14 +69,8 @@ PLAIN_MARGIN = 0.9  # F.linear must be this much faster to be worth a second cop
 
 def cpu_vendor() -> str:
     """The x86 vendor string ("GenuineIntel", "AuthenticAMD"), or "" where the kernel does not report one."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
-            for line in info:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    line = cpuinfo_line("vendor_id")
+    return line.split(":", 1)[1].strip() if line else ""
 
 
 def mkl_gemv_preferred() -> bool:

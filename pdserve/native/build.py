@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from pdserve.utils import cpuinfo_line
+
 HERE = Path(__file__).parent
 SOURCES = (HERE / "paged_attention.cpp", HERE / "pointwise.cpp", HERE / "rotary_cache.cpp")
 HEADERS = (HERE / "vec_math.h", HERE / "attention_avx512.h")
@@ -36,11 +38,7 @@ def cache_dir() -> Path:
 
 
 def _cpu_features() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), platform.processor())
-    except OSError:
-        return platform.processor()
+    return cpuinfo_line("flags", "Features") or platform.processor()
 
 
 def library_name() -> str:

@@ -28,7 +28,8 @@ using pdserve_native::store_f32;
 // One head's row rotated in place: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) over the two halves. Not
 // contracted into FMAs, so fp32 rounds as torch's separate mul and sub do (with FMAs it differed by an ulp).
 template <typename T>
-__attribute__((optimize("fp-contract=off"))) void rotate_row(T* __restrict__ x, const T* __restrict__ cos, const T* __restrict__ sin, int64_t half) {
+__attribute__((optimize("fp-contract=off"))) void rotate_row(T* __restrict__ x, const T* __restrict__ cos,
+                                                             const T* __restrict__ sin, int64_t half) {
 #pragma omp simd
   for (int64_t i = 0; i < half; ++i) {
     const float x1 = load_f32(x + i), x2 = load_f32(x + half + i);
