@@ -111,14 +111,16 @@ def loadavg() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
-def _stat_fields(pid: int) -> list[str]:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def _stat_fields(pid: int, tid: int | None = None) -> list[str]:
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    return Path(path).read_text().rsplit(")", 1)[1].split()
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a live process (all its threads); 0 if it is gone. Resolution 1 / CLK_TCK."""
+def cpu_seconds(pid: int, tid: int | None = None) -> float:
+    """utime + stime of a live process (all its threads), or of its thread `tid`; 0 if it is gone. Resolution
+    1 / CLK_TCK."""
     try:
-        f = _stat_fields(pid)
+        f = _stat_fields(pid, tid)
         return (int(f[11]) + int(f[12])) / CLK_TCK
     except (OSError, IndexError, ValueError):
         return 0.0

@@ -71,19 +71,12 @@ def start_pair(model: Path, max_model_len: int, target: str, cleanup: H.Cleanup)
 
 
 def _thread_cpu(pid: int) -> dict[tuple[int, int], float]:
-    """utime + stime (clock ticks) of each thread of `pid`, keyed (pid, tid)."""
-    out = {}
+    """CPU seconds of each thread of `pid`, keyed (pid, tid)."""
     try:
-        tids = os.listdir(f"/proc/{pid}/task")
+        tids = [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
     except OSError:
-        return out
-    for tid in tids:
-        try:
-            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        out[(pid, int(tid))] = int(fields[11]) + int(fields[12])
-    return out
+        return {}
+    return {(pid, tid): H.cpu_seconds(pid, tid) for tid in tids}
 
 
 def demote_idle_spinners(instances: list[Any], window_s: float = 1.0, share: float = 0.1) -> list[str]:
@@ -94,8 +87,8 @@ def demote_idle_spinners(instances: list[Any], window_s: float = 1.0, share: flo
     time.sleep(window_s)
     demoted = []
     for pid in pids:
-        for (p, tid), ticks in _thread_cpu(pid).items():
-            used = (ticks - before.get((p, tid), ticks)) / H.CLK_TCK / window_s
+        for (p, tid), seconds in _thread_cpu(pid).items():
+            used = (seconds - before.get((p, tid), seconds)) / window_s
             if used > share:
                 os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
                 name = Path(f"/proc/{p}/task/{tid}/comm").read_text().strip()
