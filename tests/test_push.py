@@ -236,7 +236,10 @@ def test_abort_during_writes(cluster):
         before = metric_values(cluster["D"].url)
         with ThreadPoolExecutor(1) as pool:
             p = pool.submit(prefill_leg, cluster, prompt, xfer)
-            wait_for(lambda: metric_values(cluster["P"].url)["vllm:num_requests_running"] == 1, what="P to start")
+            # P may finish the whole prefill between two polls of its gauge: then this try registers late and
+            # the push completes (caught below as a try that did not race), rather than a wait for what passed.
+            wait_for(lambda: p.done() or metric_values(cluster["P"].url)["vllm:num_requests_running"] == 1,
+                     what="P to start")
             _post_then_drop(cluster["D"].port, {"prompt": prompt, "max_tokens": 5,
                                                 "kv_transfer_params": push_params(cluster, xfer)},
                             lambda: wait_for(lambda: metric_values(cluster["D"].url)["pdserve:kv_push_expected"] == 1))
