@@ -8,6 +8,10 @@ import asyncio
 import pytest
 import zmq.asyncio
 
+from pdserve.gateway.capabilities import RELEASE_SIDE_CHANNEL, Capabilities, SideChannel
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.registry import Instance, Registry
+from pdserve.gateway.release import KVReleaser
 from pdserve.kv_transfer.agent import AgentConfig, TransferAgent
 from pdserve.kv_transfer.messages import Ack, Heartbeat, Message, Release
 from pdserve.kv_transfer.side_channel import SideChannelClient, SideChannelError, SideChannelServer
@@ -92,5 +96,42 @@ def test_a_release_that_beats_its_hold_frees_the_hold_when_it_registers():
         assert isinstance(ack, Ack) and ack.ok
         agent.pull_producer.hold("cmpl-1", "t" * 32, [3, 4])
         assert agent.num_leases() == 0 and agent.pull_producer.take_released() == {"cmpl-1"}
+    finally:
+        agent.stop()
+
+
+def test_a_release_of_a_hold_already_ended_counts_as_nothing_held_not_as_made():
+    """A vLLM instance with PdConnector takes the gateway's release on its side channel. As over HTTP, a release is
+    counted as made only when it freed something: a hold already released (or read, or expired) is acknowledged
+    with its key in `unknown_keys`, and the gateway counts it under not_made="nothing_held"."""
+    agent = TransferAgent(AgentConfig(engine_id="P", compat_hash="same"))
+    agent.start()
+    metrics = GatewayMetrics(Registry(client=None), "pull")
+    caps = Capabilities("vllm", "0.32", "PdConnector", side_channel=SideChannel("P", "127.0.0.1", agent.port),
+                        releases=RELEASE_SIDE_CHANNEL)
+    instance = Instance(url="http://127.0.0.1:1", role="prefill", pool=None, caps=caps)
+
+    def counted() -> tuple[float, float]:
+        sample = metrics.prom.get_sample_value
+        return (sample("pdserve:gateway_kv_releases_total", {"reason": "client_cancelled"}) or 0,
+                sample("pdserve:gateway_kv_releases_not_made_total",
+                       {"reason": "client_cancelled", "not_made": "nothing_held"}) or 0)
+
+    async def release_twice() -> list[tuple[float, float]]:
+        releaser = KVReleaser(metrics, connect_timeout_s=5, timeout_s=5)
+        body = {"remote_request_id": "cmpl-7", "transfer_token": "t" * 32}
+        seen = []
+        for _ in range(2):
+            releaser.release(instance, body, "client_cancelled")
+            await releaser.drain()
+            seen.append(counted())
+        return seen
+
+    try:
+        agent.pull_producer.hold("cmpl-7", "t" * 32, [5, 6])
+        first, second = asyncio.run(release_twice())
+        assert first == (1, 0)  # the hold was there: freed
+        assert agent.num_leases() == 0 and agent.pull_producer.take_released() == {"cmpl-7"}
+        assert second == (1, 1)  # freed already: nothing held, not a second release
     finally:
         agent.stop()

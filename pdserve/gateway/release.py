@@ -94,6 +94,9 @@ class KVReleaser:
             return
         finally:
             client.close()
+        if isinstance(reply, Ack) and reply.ok and named.key in reply.unknown_keys:  # read, expired or released
+            self.metrics.kv_releases_not_made.labels(reason, "nothing_held").inc()
+            return
         if isinstance(reply, Ack) and reply.ok:
             self.metrics.kv_releases.labels(reason).inc()
             return

@@ -176,7 +176,7 @@ class TransferAgent:
         if not self.pull_producer.is_held(message.key):
             await self.push_producer.on_release(message.key, message.token)  # answered once no write can land
         self.rt.on_event()
-        return self.pull_producer.end(message.key, message.token)
+        return self.pull_producer.end_released(message.key, message.token)
 
     def _authorize(self, op: str, key: str, token: str, block_ids: list[int]) -> str | None:
         """The capability check every data-plane access passes, by the owner of what it touches: a read of

@@ -86,7 +86,7 @@ class Heartbeat(Message, tag="heartbeat"):
 class Ack(Message, tag="ack"):
     ok: bool = True
     error: str = ""
-    unknown_keys: list[str] = []
+    unknown_keys: list[str] = []  # of the keys a Heartbeat or Release named, those no hold exists for
 
 
 class PushRegister(Message, tag="push_register"):

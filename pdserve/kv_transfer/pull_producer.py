@@ -81,11 +81,11 @@ class PullProducer:
                 if key is None:
                     self._early_notices[_by_transfer(transfer_id)] = time.monotonic()
                     return False
-            over = key is not None and key in self._ended  # read, released or expired already: nothing to free
         if key is None:
             return False
         self.rt.stats.releases_received += 1
-        return self.end(key, token).ok and not over
+        ack = self.end_released(key, token)
+        return ack.ok and not ack.unknown_keys
 
     def take_released(self) -> set[str]:
         with self._lock:
@@ -165,6 +165,14 @@ class PullProducer:
                 return
         self.rt.stats.read_done_received += 1
         self.end(key, lease.token if lease is not None else "")
+
+    def end_released(self, key: str, token: str) -> Ack:
+        """A Release message: end the hold it names. One that had already ended (read, released or expired) is
+        acknowledged with its key in `unknown_keys`, so the sender can tell a release made from nothing held."""
+        with self._lock:
+            over = key in self._ended
+        ack = self.end(key, token)
+        return Ack(ok=True, unknown_keys=[key]) if ack.ok and over else ack
 
     def end(self, key: str, token: str) -> Ack:
         """End a lease (read-done or release); unknown keys are remembered in case the hold is yet to come."""
