@@ -73,7 +73,6 @@ def test_engine_on_the_other_linear_choices_matches_transformers(backend, monkey
     assert compared >= len(prompts) * NUM_TOKENS // 2
 
 
-
 @pytest.mark.skipif(platform.machine() != "x86_64" or sys.platform != "linux", reason="x86-64 Linux only")
 def test_the_vendor_is_read_on_x86_linux() -> None:
     # An empty answer here would silently keep every fp32 GEMV on the slower kernel.

@@ -94,11 +94,11 @@ class KVReleaser:
             return
         finally:
             client.close()
-        if isinstance(reply, Ack) and reply.ok and named.key in reply.unknown_keys:  # read, expired or released
-            self.metrics.kv_releases_not_made.labels(reason, "nothing_held").inc()
-            return
         if isinstance(reply, Ack) and reply.ok:
-            self.metrics.kv_releases.labels(reason).inc()
+            if named.key in reply.unknown_keys:  # nothing was held under that name any more: read, expired, released
+                self.metrics.kv_releases_not_made.labels(reason, "nothing_held").inc()
+            else:
+                self.metrics.kv_releases.labels(reason).inc()
             return
         refusal = reply.error if isinstance(reply, Ack) else f"it answered {type(reply).__name__}"
         self._not_made(instance, reason, "refused", refusal)
