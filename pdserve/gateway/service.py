@@ -22,6 +22,10 @@ from pdserve.gateway.prompt_list import PromptListMerger, split_prompts
 from pdserve.gateway.registry import Instance, Registry
 from pdserve.gateway.release import KVReleaser
 from pdserve.ids import TransferId
+from pdserve.membership.membership import Membership
+from pdserve.membership.metrics import MembershipCollector
+from pdserve.membership.record import MemberRecord, check_record
+from pdserve.membership.sources import KubernetesOptions, discovery_sources
 from pdserve.net.auth import bearer_header, resolve_api_keys
 from pdserve.net.body import DEFAULT_MAX_BODY_BYTES
 from pdserve.net.http_client import HttpClient
@@ -62,6 +66,15 @@ class GatewayConfig:
     admin_token: str | None = None  # Bearer token for /register and /deregister (else PDSERVE_ADMIN_TOKEN)
     admin_port: int | None = None  # or serve them on this loopback port
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    discovery: str | None = None  # etcd://HOST:PORT[,...]/PREFIX, k8s[://NAMESPACE], or None: flags and /register
+    discovery_relist_s: float = 30.0  # every backend lists the whole membership at least this often
+    selector: str | None = None  # k8s: pods that match, their role from labels
+    prefill_selector: str | None = None
+    decode_selector: str | None = None
+    both_selector: str | None = None
+    encode_selector: str | None = None
+    discovery_namespace: str | None = None
+    discovery_port: int | None = None
 
 
 class Gateway:
@@ -82,15 +95,17 @@ class Gateway:
         self.conditional = ConditionalDisagg(self.metrics, config.conditional, config.min_prompt_tokens,
                                              config.prefix_threshold, config.tokenizer)
         self.releaser = KVReleaser(self.metrics, config.deadlines.connect_s, config.release_timeout_s)
-        for role in ("prefill", "decode", "both", "encode"):
-            for url in getattr(config, role):
-                self.registry.add(url, role)
+        self.membership = Membership(discovery_sources(_static_records(config), config.discovery,
+                                                       config.discovery_relist_s, _k8s_options(config)),
+                                     self.registry.join, self.registry.remove)
+        self.metrics.prom.register(MembershipCollector(self.membership, self.registry))
         self.encoder = EncodeFanout(self)
         self.tracing = make_exporter(config.otlp_traces_endpoint, "pdserve-gateway")
         self.timelines = TimelineStore(self.tracing)
 
     async def start(self) -> None:
         """Raises NoPairError when the pool can never serve the configured protocol."""
+        await self.membership.start()
         await self.registry.probe_all()
         instances = list(self.registry.instances.values())
         if instances and not any(i.healthy for i in instances):
@@ -100,6 +115,7 @@ class Gateway:
         self.registry.start()
 
     async def stop(self) -> None:
+        await self.membership.stop()
         await self.registry.stop()
         await self.releaser.drain()
         self.client.close()
@@ -200,6 +216,17 @@ class Gateway:
             await call.finish()
             return
         await call.respond_json(status, payload)
+
+
+def _static_records(config: GatewayConfig) -> list[MemberRecord]:
+    return [check_record(MemberRecord(url=url, role=role, source="static"))
+            for role in ("prefill", "decode", "both", "encode") for url in getattr(config, role)]
+
+
+def _k8s_options(config: GatewayConfig) -> KubernetesOptions:
+    roles = {role: getattr(config, f"{role}_selector") for role in ("prefill", "decode", "both", "encode")}
+    return KubernetesOptions(config.selector, {r: s for r, s in roles.items() if s}, config.discovery_namespace,
+                             config.discovery_port)
 
 
 def _body_of(exc: LegError) -> bytes | dict:
