@@ -171,6 +171,12 @@ class KubernetesDiscovery(Discovery):
             await self._client.close()
 
 
+def client_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("kubernetes_asyncio") is not None
+
+
 def _pod_key(pod: dict[str, Any]) -> str:
     meta = pod.get("metadata") or {}
     return f"{meta.get('namespace', '')}/{meta.get('name', '')}"

@@ -34,7 +34,10 @@ def discovery_sources(static: list[MemberRecord], url: str | None, relist_s: flo
         sources.append(EtcdDiscovery(EtcdClient(list(spec.endpoints), timeout_s=1.0), spec.prefix, relist_s))
         return sources
     if spec is not None and spec.kind == "k8s":
-        from pdserve.membership.k8s import KubernetesDiscovery
+        from pdserve.membership.k8s import KubernetesDiscovery, client_installed
+
+        if not client_installed():
+            raise ValueError("--discovery k8s needs the Kubernetes client: pip install 'pdserve[kubernetes]'")
 
         options = k8s or KubernetesOptions()
         sources.append(KubernetesDiscovery(options.selector, options.role_selectors,

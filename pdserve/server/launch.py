@@ -114,11 +114,11 @@ def _serve(args: argparse.Namespace) -> int:
     from pdserve.layers.linear import bound_onednn_caches
 
     bound_onednn_caches()
+    member = MemberOptions.from_args(args)
     config = engine_config_from_args(args)
     if not config.model.is_dir():
         raise StartupError(f"model folder {config.model} does not exist")
     api_keys = resolve_api_keys(args.api_key)
-    member = MemberOptions.from_args(args)
     sock = bind_socket(args.host, args.port)  # before loading the model: a taken port fails in a second
     member.advertise_url = advertised_url(args.advertise_url, *sock.getsockname()[:2])
     admin_sock = None if args.admin_port is None else bind_socket("127.0.0.1", args.admin_port)
