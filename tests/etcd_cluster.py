@@ -71,6 +71,7 @@ class EtcdCluster:
     members: list[Member] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
         for i in range(self.size):
             self.members.append(Member(f"m{i}", free_port(), free_port(), self.root / f"m{i}",
                                        self.root / f"m{i}.log"))

@@ -8,7 +8,7 @@
    default it waits for them to finish; a decode instance may instead move them to other decode instances;
 4. free every KV block held for other instances: consumers that still read get until the deadline, then
    whatever is held is released;
-5. exit 0.
+5. exit 0 (having said "draining" for at least LINGER_S, so that probing gateways saw it leave).
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 DRAIN_PATH = "/admin/drain"
 _WORK = frozenset({"/v1/completions", "/v1/chat/completions"})
 _POLL_S = 0.05
+# A drained instance goes on answering "draining" this long before it exits, so that a gateway without a store,
+# which checks /health every second, sees it leave (and stops at once) rather than fail (and retries).
+LINGER_S = 2.0
 
 # Hands off or finishes the requests running on this instance (`drain.running()`) by `deadline`
 # (time.monotonic()).
@@ -85,6 +88,7 @@ class Drain:
             await asyncio.sleep(_POLL_S)
         released = self.state.release_held()
         await self._blocks_freed(deadline + 2.0)
+        await asyncio.sleep(max(0.0, started + min(LINGER_S, self.timeout_s) - time.monotonic()))
         log.info("drain: done in %.2f s (%d requests cut off at the deadline, %d KV holds released unread, %d "
                  "blocks in use); exiting", time.monotonic() - started, left, released, self.state.blocks_in_use())
         if self.on_done is not None:
