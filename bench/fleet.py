@@ -362,9 +362,7 @@ def _chaos_etcd(model: Path, etcd: EtcdCluster) -> dict[str, Any]:
             time.sleep(1)
         etcd.start_member(etcd.members[0])
         time.sleep(2)
-        result = load.finish()
-        time.sleep(1)
-        return {**result, "restarts": restarts, "blocks_in_use": blocks_in_use([p.url for p in pd.values()])}
+        return _ended(load, restarts, pd)
     finally:
         fleet.stop()
 
@@ -390,11 +388,16 @@ def _chaos_static(model: Path, etcd: EtcdCluster) -> dict[str, Any]:
             pd[name] = fleet.instance(role[name], discovery=False, port=ports[name], name=f"{name}-new")
             until(lambda name=name: routed(gs, pd[name].url), 60)
             time.sleep(1)
-        result = load.finish()
-        time.sleep(1)
-        return {**result, "restarts": restarts, "blocks_in_use": blocks_in_use([p.url for p in pd.values()])}
+        return _ended(load, restarts, pd)
     finally:
         fleet.stop()
+
+
+def _ended(load: Load, restarts: list[dict], pd: dict[str, Process]) -> dict[str, Any]:
+    """The load's outcome, and the KV blocks in use on every instance once it stopped."""
+    result = load.finish()
+    time.sleep(1)
+    return {**result, "restarts": restarts, "blocks_in_use": blocks_in_use([p.url for p in pd.values()])}
 
 
 # ---------------------------------------------------------------------------------------------- cpu

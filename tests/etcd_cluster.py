@@ -12,10 +12,11 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from server_utils import wait_for
 
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 
@@ -128,11 +129,3 @@ def _healthy(member: Member) -> bool:
     except OSError:
         return False
 
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise TimeoutError(f"timed out waiting for {what}")

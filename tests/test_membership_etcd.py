@@ -150,19 +150,24 @@ def test_crash_leaves_within_the_lease_and_a_drain_leaves_at_once(fleet):
         crash.stop()
 
     drained = instance(model, url, "decode", "D-drain")
+    static = start("gateway", ["gateway", "--port", "0", "--protocol", "pull", "--prefill", procs["P"].url,
+                               "--decode", drained.url, procs["D"].url])  # no store: it learns from /health
     try:
-        wait_for(lambda: drained.url in healthy(g1), 30, "the instance to drain routable")
+        wait_for(lambda: drained.url in healthy(g1) and drained.url in healthy(static), 30, "routable everywhere")
         left = changes(g1, "left")
-        results = _load(g1, procs["oracle"], seconds=3.0)
+        loads = [_load(g, procs["oracle"], seconds=4.0) for g in (g1, static)]
         assert httpx.post(drained.url + "/admin/drain", json={}).status_code == 401  # behind the admin token
         assert httpx.post(drained.url + "/admin/drain", headers=ADMIN, json={}).status_code == 202
         assert drained.popen.wait(30) == 0
         for g in (g1, g2):
             wait_for(lambda g=g: drained.url not in members(g), 5, "a drained instance gone")
         assert changes(g1, "left") == left + 1
-        results.join()
-        assert results.failures == [] and results.count > 0
+        for load in loads:
+            load.join()
+            assert load.failures == [] and load.count > 0
+        assert "is draining: no new work" in static.log_tail(100000)
     finally:
+        static.stop()
         drained.stop()
     for name in "BPD":
         wait_until_idle(procs[name].url)

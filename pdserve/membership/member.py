@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.membership.drain import Drain, DrainGuard, DrainState
+from pdserve.membership.drain import Drain, DrainGuard, DrainState, HandOff, wait_to_finish
 from pdserve.membership.record import MemberRecord, RecordError, normalise_url
 from pdserve.membership.registrar import DEFAULT_TTL_S, Registrar
 from pdserve.membership.url import parse_discovery
@@ -41,10 +41,14 @@ def parse_labels(items: list[str]) -> dict[str, str]:
     return labels
 
 
-def advertised_url(flag: str | None, host: str, port: int) -> str:
+def advertised_url(flag: str | None, host: str, port: int, registering: bool = True) -> str:
+    """How gateways reach this instance: `--advertise-url`, else the address it listens on (which must then be
+    one address, when the instance registers itself)."""
     if flag is None and host in ("0.0.0.0", "::", ""):
-        raise ValueError(f"listening on {host or 'every address'}: say how gateways reach this instance with "
-                         "--advertise-url http://HOST:PORT")
+        if registering:
+            raise ValueError(f"listening on {host or 'every address'}: say how gateways reach this instance with "
+                             "--advertise-url http://HOST:PORT")
+        host = "127.0.0.1"  # unused: nothing registers it
     try:
         return normalise_url(flag or f"http://{host if ':' not in host else f'[{host}]'}:{port}")
     except RecordError as exc:
@@ -74,16 +78,18 @@ class MemberOptions:
 
 
 class InstanceMember:
-    """Registration and drain of one instance; `record()` says what it is now."""
+    """Registration and drain of one instance; `record()` says what it is now. `hand_off` is the drain's third
+    step: by default the running requests finish here; a decode instance may move them elsewhere instead."""
 
-    def __init__(self, options: MemberOptions, record: Callable[[], MemberRecord], state: DrainState) -> None:
+    def __init__(self, options: MemberOptions, record: Callable[[], MemberRecord], state: DrainState,
+                 hand_off: HandOff = wait_to_finish) -> None:
         self.registrar: Registrar | None = None
         if options.discovery is not None:
             from pdserve.membership.etcd_client import EtcdClient
 
             spec = parse_discovery(options.discovery)
             self.registrar = Registrar(EtcdClient(list(spec.endpoints)), spec.prefix, record, options.ttl_s)
-        self.drain = Drain(state, options.drain_timeout_s, self._leave if self.registrar else None)
+        self.drain = Drain(state, options.drain_timeout_s, self._leave if self.registrar else None, hand_off)
 
     def wrap(self, app: Any) -> DrainGuard:
         return DrainGuard(app, self.drain)

@@ -120,7 +120,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise StartupError(f"model folder {config.model} does not exist")
     api_keys = resolve_api_keys(args.api_key)
     sock = bind_socket(args.host, args.port)  # before loading the model: a taken port fails in a second
-    member.advertise_url = advertised_url(args.advertise_url, *sock.getsockname()[:2])
+    member.advertise_url = advertised_url(args.advertise_url, *sock.getsockname()[:2], member.discovery is not None)
     admin_sock = None if args.admin_port is None else bind_socket("127.0.0.1", args.admin_port)
     access = AccessPolicy(api_keys, resolve_admin_token(args.admin_token),
                           admin_sock.getsockname()[1] if admin_sock is not None else None, ADMIN_PATHS)
@@ -137,7 +137,8 @@ async def serve_app(instance, sock: socket.socket, log_level: str = "info", acce
         app = await instance.start(advertised_host=sock.getsockname()[0])
     except STARTUP_ERRORS as exc:  # e.g. the side channel's port is taken
         raise StartupError(str(exc)) from exc
-    membership = instance.member(member or MemberOptions(advertise_url=advertised_url(None, *sock.getsockname()[:2])))
+    membership = instance.member(member or MemberOptions(
+        advertise_url=advertised_url(None, *sock.getsockname()[:2], registering=False)))
     membership.start()
     freeze_startup_objects()
     try:
