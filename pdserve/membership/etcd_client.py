@@ -102,7 +102,7 @@ class EtcdClient:
                     async with self._http().post(f"http://{endpoint}{path}", json=body) as answer:
                         data = await answer.json(content_type=None)
             except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-                failures.append(f"{endpoint}: {exc or type(exc).__name__}")
+                failures.append(f"{endpoint}: {str(exc) or type(exc).__name__}")
                 continue
             if answer.status == 503 or (isinstance(data, dict) and _unavailable(data)):
                 failures.append(f"{endpoint}: {data.get('message') or data.get('error') or answer.status}")
@@ -165,7 +165,7 @@ class EtcdClient:
                         yield events
         except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
             self._current = (self._current + 1) % len(self.endpoints)  # the next try starts elsewhere
-            raise EtcdUnavailable(f"{endpoint}: watch stream broke ({exc or type(exc).__name__})") from exc
+            raise EtcdUnavailable(f"{endpoint}: watch stream broke ({str(exc) or type(exc).__name__})") from exc
         self._current = (self._current + 1) % len(self.endpoints)
         raise EtcdUnavailable(f"{endpoint}: watch stream ended")
 
