@@ -173,6 +173,28 @@ def test_crash_leaves_within_the_lease_and_a_drain_leaves_at_once(fleet):
         wait_until_idle(procs[name].url)
 
 
+def test_a_gateway_killed_and_an_instance_stopped_under_load_lose_nothing(fleet):
+    """Active-active: a client that retries on another gateway (as the OpenAI SDK retries, behind a load
+    balancer) loses nothing when one gateway is SIGKILLed; SIGTERM drains an instance (exit 0) meanwhile."""
+    model, url, procs = fleet
+    g3 = gateway(url)
+    extra = instance(model, url, "decode", "D-term")
+    try:
+        wait_for(lambda: extra.url in healthy(g3) and extra.url in healthy(procs["G1"]), 30, "the fleet seen")
+        load = _load([g3, procs["G1"]], procs["oracle"], seconds=4.0)
+        wait_for(lambda: load.count >= 3, 30, "some requests through both gateways")
+        g3.kill()
+        extra.popen.send_signal(signal.SIGTERM)
+        assert extra.popen.wait(30) == 0
+        load.join()
+        assert load.failures == [] and load.count > 3
+        assert load.retried > 0  # the dead gateway's share went to the other one
+        wait_for(lambda: extra.url not in members(procs["G1"]), 10, "a stopped instance gone")
+    finally:
+        extra.stop()
+        g3.stop()
+
+
 def test_etcd_member_loss_quorum_loss_and_an_empty_etcd(fleet, etcd):
     _, _, procs = fleet
     g1 = procs["G1"]
@@ -239,12 +261,13 @@ def test_an_instance_answering_as_another_model_is_not_routed_to(fleet):
 
 
 class _Load(threading.Thread):
-    """Sequential requests through a gateway until `seconds` pass, each checked against the oracle."""
+    """Sequential requests until `seconds` pass, each checked against the oracle, round-robin over gateways; one
+    that cannot be reached is retried once on the next (the OpenAI SDK retries connection errors)."""
 
-    def __init__(self, g, oracle: dict, seconds: float) -> None:
+    def __init__(self, gateways: list, oracle: dict, seconds: float) -> None:
         super().__init__(daemon=True)
-        self.g, self.oracle, self.seconds = g, oracle, seconds
-        self.count, self.failures = 0, []
+        self.gateways, self.oracle, self.seconds = gateways, oracle, seconds
+        self.count, self.retried, self.failures = 0, 0, []
 
     def run(self) -> None:
         import time
@@ -252,14 +275,25 @@ class _Load(threading.Thread):
         end = time.monotonic() + self.seconds
         with httpx.Client(timeout=60) as client:
             while time.monotonic() < end:
-                r = client.post(self.g.url + "/v1/completions", json=BODY)
                 self.count += 1
-                if r.status_code != 200 or r.json()["choices"][0]["text"] != self.oracle["choices"][0]["text"]:
-                    self.failures.append((r.status_code, r.text[:200]))
+                self._one(client)
+
+    def _one(self, client: httpx.Client) -> None:
+        for attempt in range(2):
+            g = self.gateways[(self.count + attempt) % len(self.gateways)]
+            try:
+                r = client.post(g.url + "/v1/completions", json=BODY)
+            except httpx.TransportError:
+                self.retried += 1
+                continue
+            if r.status_code != 200 or r.json()["choices"][0]["text"] != self.oracle["choices"][0]["text"]:
+                self.failures.append((r.status_code, r.text[:200]))
+            return
+        self.failures.append("no gateway answered")
 
 
-def _load(g, oracle: dict, seconds: float) -> _Load:
-    load = _Load(g, oracle, seconds)
+def _load(gateways, oracle: dict, seconds: float) -> _Load:
+    load = _Load(gateways if isinstance(gateways, list) else [gateways], oracle, seconds)
     load.start()
     return load
 
