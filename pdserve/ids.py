@@ -39,6 +39,11 @@ def new_engine_id() -> EngineId:
 
 
 MAX_REQUEST_ID_LENGTH = 256
+# P hands D its own internal id as `remote_request_id`: an engine builds it from the external id, longer by a prefix
+# ("chatcmpl-"), a prompt index, a sample prefix and a random suffix (pdserve and vLLM alike), so a decode instance
+# must take ids well past MAX_REQUEST_ID_LENGTH. vLLM does not bound the X-Request-Id it builds them from; this bound
+# is the size of a request header line common HTTP servers accept (8 KiB), plus room for what an engine adds.
+MAX_REMOTE_REQUEST_ID_LENGTH = 8192 + 64
 
 
 def clean_request_id(value: str | None) -> str | None:
