@@ -185,6 +185,29 @@ def test_a_long_request_id_is_cut_and_the_request_served(cluster, protocol):
     idle_everywhere(cluster, ("P1", "D1"))
 
 
+def test_a_long_prompt_list_answers_with_headers_a_client_reads(cluster):
+    """5,000 prompts in one completion: the instance lists its internal ids in a header only as far as a few KB
+    allow (the rest are counted, and all of them are in the timeline), so a stock httpx client (16 KiB for the
+    whole head) reads the answer, directly and through a gateway."""
+    prompts = [[7, 8 + i % 50] for i in range(5000)]
+    g = gateway("--both", cluster["C"].url, "--protocol", "colocated")
+    try:
+        for name, url in (("instance", cluster["C"].url), ("gateway", g.url)):
+            r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": prompts, "max_tokens": 1},
+                           headers={"X-Request-Id": f"list-{name}"}, timeout=300)
+            assert r.status_code == 200, r.text
+            assert len(r.json()["choices"]) == 5000
+            assert max(len(v) for v in r.headers.values()) <= 4096, {k: len(v) for k, v in r.headers.items()}
+            if name == "instance":
+                listed = r.headers["x-pdserve-request-ids"].split(",")
+                omitted = int(r.headers["x-pdserve-request-ids-omitted"])
+        timelines = httpx.get(cluster["C"].url + "/v1/timeline/list-instance", timeout=30).json()["data"]
+        internal = [t["internal_request_id"] for t in timelines]
+        assert len(internal) == 5000 and len(listed) + omitted == 5000 and listed == internal[:len(listed)]
+    finally:
+        g.stop()
+
+
 def test_kv_params_an_instance_refuses_never_reach_the_client(recorded):
     """D refuses the KV parameters P handed out (a 400 naming kv_transfer_params, which the client never sent):
     the client gets D's own answer, computed without them, and the gateway counts why."""
