@@ -10,6 +10,7 @@ Three kinds of ids live in pdserve and must never be mixed up, so each has its o
 
 from __future__ import annotations
 
+import os
 import secrets
 import uuid
 from typing import NewType
@@ -22,7 +23,8 @@ TRANSFER_ID_PREFIX = "xfer-"
 
 
 def new_external_request_id() -> str:
-    return uuid.uuid4().hex
+    """128 random bits in hex (uuid4().hex's shape, at a third of its cost: every request without an id mints one)."""
+    return os.urandom(16).hex()
 
 
 def make_internal_request_id(external_id: str) -> ReqId:
@@ -31,7 +33,10 @@ def make_internal_request_id(external_id: str) -> ReqId:
 
 
 def new_transfer_id() -> TransferId:
-    return TransferId(f"{TRANSFER_ID_PREFIX}{uuid.uuid4()}")
+    """`xfer-` and 128 random bits in a UUID's dashed hex (formatted here: str(uuid4()) costs ~5x more, on every
+    attempt of every gateway request)."""
+    h = os.urandom(16).hex()
+    return TransferId(f"{TRANSFER_ID_PREFIX}{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}")
 
 
 def new_engine_id() -> EngineId:

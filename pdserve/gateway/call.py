@@ -96,7 +96,7 @@ class Call:
     started: float = field(default_factory=time.monotonic)
     stage: Stage = Stage.CREATED
     attempt: int = 0
-    transfer_id: TransferId = field(default_factory=new_transfer_id)
+    transfer_id: TransferId = TransferId("")  # each attempt mints its own (new_attempt)
     first_byte_sent: bool = False
     excluded: set[str] = field(default_factory=set)
     picks: dict[str, Instance] = field(default_factory=dict)
@@ -230,7 +230,7 @@ class Call:
 
     def mark(self, event: str, **attrs: Any) -> None:
         if self.timeline is not None:
-            self.timeline.add(event, **attrs)
+            self.timeline.record(event, attrs)
 
     def leg_started(self, leg: str, instance: Instance, key: str | None = None) -> list[tuple[bytes, bytes]]:
         """Record a leg's start; when tracing, give it a span and the `traceparent` header that names it.

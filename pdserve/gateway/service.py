@@ -120,8 +120,8 @@ class Gateway:
     def pick(self, role: str, excluded: set[str], affinity: bytes, partner: Instance | None = None) -> Instance:
         """An instance for `role`; in a disaggregated protocol, one that can exchange KV with `partner` (or, for
         the first of a pair, with some healthy instance of the other role)."""
-        usable = self.pairing.eligible(role, self.registry.usable(role), partner)
-        candidates = [i for i in usable if i.url not in excluded] or usable
+        usable = self.pairing.candidates(role, partner)
+        candidates = ([i for i in usable if i.url not in excluded] or usable) if excluded else usable
         if not candidates:
             raise NoInstanceError(self.pairing.why_none(role, partner))
         return self.policies[role].pick(candidates, affinity)
