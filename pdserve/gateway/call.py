@@ -302,6 +302,7 @@ class Call:
         self.first_byte_sent = True
         await self.send({"type": "http.response.start", "status": status,
                          "headers": [(b"content-type", b"application/json"),
+                                     (b"content-length", str(len(body)).encode()),  # a plain body, no chunk framing
                                      (b"x-request-id", self.request_id.encode())]})
         await self.send({"type": "http.response.body", "body": body, "more_body": False})
 
