@@ -17,15 +17,15 @@ from pathlib import Path
 
 # (part, substrings of a frame "function (file:line)"), most specific first.
 PARTS = (
-    ("idle (epoll wait)", ("epoll_wait", "select (selectors", "_run_once", "uv__io_poll", "uv_run")),
-    ("access log / logging", ("logging/__init__", "pdserve/net/front.py:line", "AccessRecord.line", "access_log")),
+    ("idle (epoll wait)", ("epoll_wait", "select (selectors")),
+    ("access log / logging", ("logging/__init__", "line (pdserve/net/front.py")),
     ("timeline", ("telemetry/timeline",)),
     ("metrics (prometheus_client)", ("prometheus_client", "gateway/metrics")),
-    ("JSON (msgspec)", ("msgspec", "json_body", "_encode", "_decode")),
+    ("JSON (msgspec) and usage", ("json_body", "merge_usage", "merged_usage")),
     ("upstream HTTP client", ("net/http_client",)),
-    ("pairing / picking", ("gateway/pairing", "gateway/policies", "capabilities", "Call.pick", "Gateway.pick",
-                           "registry.py")),
-    ("auth / body limit / headers", ("net/auth", "net/body", "_clean_headers", "_header")),
+    ("pairing / picking", ("gateway/pairing", "gateway/policies", "capabilities", "gateway/registry",
+                           "pick (pdserve")),
+    ("access guard / front / body limit", ("net/auth", "net/body", "net/front", "_header (pdserve/gateway/app.py")),
     ("uvicorn / httptools server", ("uvicorn", "httptools")),
     ("asyncio tasks / futures", ("asyncio", "uvloop")),
 )
