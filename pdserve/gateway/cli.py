@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import logging
 import sys
@@ -22,7 +21,6 @@ from pdserve.net.auth import AccessPolicy, resolve_admin_token
 from pdserve.net.listen import bind_socket, freeze_startup_objects, serve_announced
 from pdserve.startup import exit_on_startup_error
 
-GC_YOUNG_THRESHOLD = 20_000
 _DEADLINE_FLAGS = {"connect_timeout": "connect_s", "prefill_timeout": "prefill_s",
                    "first_token_timeout": "first_token_s", "idle_timeout": "idle_s"}
 _HEALTH_FLAGS = {"health_check_interval": ("probe_interval_s", float, "seconds between health checks (default 1)"),
@@ -135,10 +133,6 @@ async def _serve(gateway: Gateway, sock: Any, admin_sock: Any, log_level: str, l
         await gateway.stop()
         return 2
     freeze_startup_objects()
-    # Every proxied request leaves a few hundred container objects to the collector, nearly all freed by their
-    # reference counts; the default threshold (700) ran a young collection every few requests, each also walking
-    # the timelines kept for /v1/timeline (measured: ~7 % of the gateway's CPU per request at c=32).
-    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
     try:
         await serve_announced(build_app(gateway, access, log_requests), sock, log_level, {
             "role": "gateway", "protocol": gateway.config.protocol, "scheduling": gateway.config.scheduling},
