@@ -142,12 +142,13 @@ def post(url: str, body: bytes, timeout: float = 5.0) -> tuple[int, bytes, dict[
 
 
 def spawn(name: str, cmd: list[str], work: Path, cleanup: H.Cleanup, ready_line: bool = False,
-          port: int = 0, env: dict[str, str] | None = None) -> Proc:
+          port: int = 0, env: dict[str, str] | None = None, cwd: str | None = None) -> Proc:
     """Start a process and wait until it answers a completion (after its JSON ready line, if it prints one)."""
     log_path = work / f"{name}.log"
     with log_path.open("wb") as log:
         popen = subprocess.Popen(cmd, stdout=subprocess.PIPE if ready_line else log, stderr=log,
-                                 stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})}, start_new_session=True)
+                                 stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})}, start_new_session=True,
+                                 cwd=cwd)
     proc = Proc(name, popen, f"http://127.0.0.1:{port}", log_path)
     cleanup.add(proc.stop)
     if ready_line:
@@ -189,12 +190,15 @@ def peer_exe(name: str) -> str:
 def start_target(name: str, p_url: str, d_url: str, work: Path, cleanup: H.Cleanup, base: str | None = None,
                  protocol: str = "pull") -> Proc:
     if name in ("pdserve", "pdserve-base"):
-        env = {"PYTHONUNBUFFERED": "1", "PYTHONPATH": base if name == "pdserve-base" else str(BENCH.parent)}
+        # `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH: each gateway runs in the
+        # checkout it measures (from this one, the base would import this checkout's pdserve).
+        root = base if name == "pdserve-base" else str(BENCH.parent)
+        env = {"PYTHONUNBUFFERED": "1", "PYTHONPATH": root}
         return spawn(name, [sys.executable, "-m", "pdserve", "gateway", "--prefill", p_url, "--decode", d_url,
                             "--protocol", protocol, "--scheduling", "batch", "--policy", "round_robin",
                             "--api-key", API_KEY, "--host",
                             "127.0.0.1", "--port", "0", "--log-level", "warning"], work, cleanup, ready_line=True,
-                     env=env)
+                     env=env, cwd=root)
     port, prom = H.free_port(), H.free_port()
     if name == "vllm-router":
         cmd = [peer_exe(name), "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation", "--prefill",
