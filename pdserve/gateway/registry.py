@@ -103,6 +103,10 @@ class Registry:
     def usable(self, role: str) -> list[Instance]:
         return [i for i in self.instances.values() if i.healthy and i.serves(role)]
 
+    def signature(self) -> tuple:
+        """Everything `usable` and pairing read, per instance: equal signatures, equal answers (a cache key)."""
+        return tuple((i, i.role, i.breaker.state, i.draining, i.caps) for i in self.instances.values())
+
     def has_route(self, needs: tuple[str, ...]) -> bool:
         return all(self.usable(role) for role in needs)
 
