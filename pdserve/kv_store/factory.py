@@ -1,0 +1,40 @@
+"""Building the store tier from a kv_transfer_config, and putting its halves beside another connector's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pdserve.kv_store.chain import ChainScheduler, ChainWorker
+from pdserve.kv_store.config import store_config
+from pdserve.kv_store.connector import StoreConnectorScheduler, StoreConnectorWorker
+from pdserve.kv_store.keys import Namespace
+from pdserve.kv_store.tier import KVStoreTier
+from pdserve.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker
+
+
+def store_entry(kv_cfg: dict[str, Any], extra: dict[str, Any]) -> Any:
+    """`kv_store` at the top of pdserve's kv_transfer_config, or in its extra config (where vLLM's must put it)."""
+    if "kv_store" in kv_cfg and "kv_store" in extra:
+        raise ValueError("kv_store is given twice: at the top of kv_transfer_config and in kv_connector_extra_config")
+    return kv_cfg.get("kv_store", extra.get("kv_store"))
+
+
+def namespace_for(model: str, dtype: torch.dtype, block_size: int, num_layers: int, kv_heads: int,
+                  head_dim: int) -> Namespace:
+    """`model`: the weights' fingerprint, or the model's name where there are no local weights to fingerprint."""
+    return Namespace(model=model, dtype=str(dtype), block_size=block_size, num_layers=num_layers, kv_heads=kv_heads,
+                     head_dim=head_dim, itemsize=torch.empty((), dtype=dtype).element_size())
+
+
+def build_store(raw: Any, namespace: Namespace) -> KVStoreTier | None:
+    config = store_config(raw)
+    return KVStoreTier(config, namespace) if config is not None else None
+
+
+def with_store(scheduler: KVConnectorScheduler, worker: KVConnectorWorker, tier: KVStoreTier
+               ) -> tuple[ChainScheduler, ChainWorker]:
+    """The engine's connector halves: `scheduler` and `worker` first, the store's beside them."""
+    return (ChainScheduler(scheduler, StoreConnectorScheduler(tier, tier.namespace.block_size)),
+            ChainWorker(worker, StoreConnectorWorker(tier)))
