@@ -33,8 +33,10 @@ def build_store(raw: Any, namespace: Namespace) -> KVStoreTier | None:
     return KVStoreTier(config, namespace) if config is not None else None
 
 
-def with_store(scheduler: KVConnectorScheduler, worker: KVConnectorWorker, tier: KVStoreTier
-               ) -> tuple[ChainScheduler, ChainWorker]:
-    """The engine's connector halves: `scheduler` and `worker` first, the store's beside them."""
-    return (ChainScheduler(scheduler, StoreConnectorScheduler(tier, tier.namespace.block_size)),
-            ChainWorker(worker, StoreConnectorWorker(tier)))
+def chain_scheduler(scheduler: KVConnectorScheduler, tier: KVStoreTier) -> ChainScheduler:
+    """The engine's scheduler half: `scheduler` first, the store's beside it."""
+    return ChainScheduler(scheduler, StoreConnectorScheduler(tier, tier.namespace.block_size))
+
+
+def chain_worker(worker: KVConnectorWorker, tier: KVStoreTier) -> ChainWorker:
+    return ChainWorker(worker, StoreConnectorWorker(tier))

@@ -22,7 +22,7 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.ids import new_engine_id
 from pdserve.kv_store.chain import ChainScheduler, ChainWorker
-from pdserve.kv_store.factory import build_store, namespace_for, store_entry, with_store
+from pdserve.kv_store.factory import build_store, chain_scheduler, chain_worker, namespace_for, store_entry
 from pdserve.kv_store.metrics import STORE_METRICS, store_metric_values
 from pdserve.kv_store.tier import KVStoreTier
 from pdserve.kv_transfer.agent import AgentConfig, TransferAgent
@@ -320,7 +320,7 @@ def build_pd_connector(config: EngineConfig, model: ModelSpec) -> ConnectorBundl
     store = build_store(store_entry(kv_cfg, extra), namespace_for(
         weights, model.dtype, config.block_size, text.num_layers, text.num_kv_heads, text.head_dim))
     if store is not None:
-        scheduler, worker = with_store(scheduler, worker, store)
+        scheduler, worker = chain_scheduler(scheduler, store), chain_worker(worker, store)
     return ConnectorBundle(scheduler=scheduler, worker=worker, agent=agent, planes=planes,
                            engine_id=engine_id, max_blocks=max_blocks, pool_owner=plane_names[0],
                            fault_api=bool(extra.get("fault_injection_api", os.environ.get("PDSERVE_FAULTS_API"))),
