@@ -173,6 +173,7 @@ class StoreConnectorScheduler(KVConnectorScheduler):
                 valid = next((i for i, ref in enumerate(load.refs) if ref.block_id in output.invalid_block_ids),
                              len(load.refs))
                 tracked.request.num_cached_tokens = (tracked.load_first + valid) * self.block_size
+                tracked.written = tracked.load_first + valid  # the blocks computed instead are written
 
     def has_pending_work(self) -> bool:
         return bool(self._loading or self._pending.loads)
