@@ -141,7 +141,7 @@ def ask(client: Any, url: str, prompt: list[int], max_tokens: int) -> tuple[floa
 
 class Conversation:
     def __init__(self, gen: random.Random, context: int, question: int) -> None:
-        self.gen, self.question = gen, question
+        self.gen, self.question, self.turn = gen, question, 0
         self.history = self.tokens(context)
 
     def tokens(self, n: int) -> list[int]:
@@ -151,30 +151,38 @@ class Conversation:
         return self.history + self.tokens(self.question)
 
 
-def qa_run(fleet: Fleet, args: argparse.Namespace, seed: int, reuse: bool = True) -> dict[str, Any]:
-    """Every user's turns (each user's in order, `--concurrency` users at a time); TTFTs and throughput."""
-    gen = random.Random(seed)
-    users = [Conversation(random.Random(gen.random()), args.context, args.question) for _ in range(args.users)]
-    ttfts: list[float] = []
+def turns(fleet: Fleet, users: list[Conversation], args: argparse.Namespace, count: int,
+          route: Any = None, reuse: bool = True) -> dict[str, Any]:
+    """`count` more turns of every user (each user's in order, `--concurrency` users at a time): turn t of user u
+    goes to instance `route(u, t)` (round-robin by default). TTFTs (by instance) and output tokens per second."""
+    route = route or (lambda u, t: u + t)
+    ttfts: dict[int, list[float]] = {}
     out_tokens = [0]
     lock = threading.Lock()
 
     def user(u: int) -> None:
         conv = users[u]
         with H.http_client(300) as client:
-            for turn in range(args.turns):
+            for _ in range(count):
                 prompt = conv.next_prompt() if reuse else conv.tokens(len(conv.next_prompt()))
-                ttft, answer = ask(client, fleet.url(u + turn), prompt, args.answer)
-                conv.history = prompt + answer
+                index = route(u, conv.turn) % len(fleet.keys)
+                ttft, answer = ask(client, fleet.url(index), prompt, args.answer)
+                conv.history, conv.turn = prompt + answer, conv.turn + 1
                 with lock:
-                    ttfts.append(ttft)
+                    ttfts.setdefault(index, []).append(ttft)
                     out_tokens[0] += len(answer)
 
     t0 = time.monotonic()
     with ThreadPoolExecutor(args.concurrency) as pool:
-        list(pool.map(user, range(args.users)))
+        list(pool.map(user, range(len(users))))
     wall = time.monotonic() - t0
-    return {"ttft": ttfts, "wall": wall, "tok_s": out_tokens[0] / wall}
+    return {"ttft": [t for ts in ttfts.values() for t in ts], "by_instance": ttfts, "wall": wall,
+            "tok_s": out_tokens[0] / wall}
+
+
+def conversations(args: argparse.Namespace, seed: int) -> list[Conversation]:
+    gen = random.Random(seed)
+    return [Conversation(random.Random(gen.random()), args.context, args.question) for _ in range(args.users)]
 
 
 def counters(client: Any, fleet: Fleet) -> dict[str, float]:
@@ -187,3 +195,111 @@ def counters(client: Any, fleet: Fleet) -> dict[str, float]:
 
 def p(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100)[int(q) - 1] if len(values) > 1 else values[0]
+
+
+def qa_rounds(fleets: dict[str, Fleet], args: argparse.Namespace, reuse: bool) -> dict[str, list[dict[str, Any]]]:
+    """Every mode on the same workload each round (a new one each round), in rotating order."""
+    results: dict[str, list[dict[str, Any]]] = {mode: [] for mode in fleets}
+    with H.http_client(60) as client:
+        for rnd, order in H.rotations(list(fleets), args.rounds):
+            for mode in order:
+                before = counters(client, fleets[mode])
+                r = turns(fleets[mode], conversations(args, 1000 * rnd + reuse), args, args.turns, reuse=reuse)
+                after = counters(client, fleets[mode])
+                r["computed"] = H.delta(after, before, "pdserve:prompt_tokens_computed_total")
+                r["loaded"] = H.delta(after, before, "pdserve:kv_store_hit_blocks_total") * 16
+                r.pop("by_instance")
+                results[mode].append(r)
+                print(f"  round {rnd} {mode:9s} TTFT p50 {p(r['ttft'], 50) * 1e3:7.1f} ms p90 "
+                      f"{p(r['ttft'], 90) * 1e3:7.1f} ms, {r['tok_s']:6.1f} tok/s, prompt tokens computed "
+                      f"{r['computed']:.0f}, loaded {r['loaded']:.0f}", flush=True)
+    return results
+
+
+def summarize(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
+    out = {}
+    for mode, runs in results.items():
+        ttft = [t for r in runs for t in r["ttft"]]
+        out[mode] = {"ttft_p50_ms": p(ttft, 50) * 1e3, "ttft_p90_ms": p(ttft, 90) * 1e3,
+                     "tok_s": H.median([r["tok_s"] for r in runs]), "computed": sum(r["computed"] for r in runs),
+                     "loaded": sum(r["loaded"] for r in runs)}
+    base = out.get("none")
+    for mode, row in out.items():
+        if base is not None and mode != "none":
+            row["ttft_p90_ratio"] = row["ttft_p90_ms"] / base["ttft_p90_ms"]
+            row["ttft_p50_ratio"] = row["ttft_p50_ms"] / base["ttft_p50_ms"]
+            row["tok_s_ratio"] = row["tok_s"] / base["tok_s"]
+        print(f"{mode:9s} TTFT p50 {row['ttft_p50_ms']:7.1f} ms p90 {row['ttft_p90_ms']:7.1f} ms, "
+              f"{row['tok_s']:6.1f} tok/s" + (f"  vs none: p90 {row['ttft_p90_ratio']:.2f}x, p50 "
+                                              f"{row['ttft_p50_ratio']:.2f}x, throughput {row['tok_s_ratio']:.2f}x"
+                                              if "tok_s_ratio" in row else ""), flush=True)
+    return out
+
+
+def restart_part(fleets: dict[str, Fleet], args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """Half the users' conversations, instance 0 restarted, then every user's next turn: half on the restarted
+    instance, half on warm instance 1, interleaved. Their TTFT medians, restarted over warm."""
+    out = {}
+    for mode, fleet in fleets.items():
+        users = conversations(args, 777)
+        turns(fleet, users, args, args.turns - 1)
+        fleet.restart(0)
+        r = turns(fleet, users, args, 1, route=lambda u, t: 0 if u % 2 == 0 else 1)
+        cold, warm = H.median(r["by_instance"][0]), H.median(r["by_instance"][1])
+        out[mode] = {"restarted_ms": cold * 1e3, "warm_ms": warm * 1e3, "ratio": cold / warm}
+        print(f"restart {mode:9s} first requests on known prefixes: restarted {cold * 1e3:7.1f} ms, warm "
+              f"{warm * 1e3:7.1f} ms: {cold / warm:.2f}x", flush=True)
+    return out
+
+
+def qa_part(cleanup: H.Cleanup, args: argparse.Namespace) -> dict[str, Any]:
+    work = cleanup.work_dir("kv-store")
+    model = make_model(work, args.max_model_len)
+    meter = H.CpuMeter()
+    servers = H.Servers(cleanup, meter)
+    stores = {kind: start_store(cleanup, kind, "1gb" if kind == "redis" else "1GB") for kind in STORES}
+    fleets = {"none": Fleet(servers, "none", model, args, None)}
+    fleets.update({kind: Fleet(servers, kind, model, args, stores[kind]) for kind in STORES})
+    per_user = args.context + args.turns * (args.question + args.answer)
+    print(f"working set {args.users * per_user} tokens ({args.users} users x {per_user}), one instance's KV cache "
+          f"{args.kv_blocks * 16} tokens: {args.users * per_user / (args.kv_blocks * 16):.1f}x", flush=True)
+    turns(fleets["none"], conversations(args, 5), args, 1)  # warm-up (kernels, pages), not measured
+    reuse = summarize(qa_rounds(fleets, args, reuse=True))
+    restart = restart_part(fleets, args)
+    print("no reuse (every prompt new):")
+    no_reuse = summarize(qa_rounds(fleets, args, reuse=False))
+    return {"reuse": reuse, "restart": restart, "no_reuse": no_reuse}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--part", choices=["io", "qa", "all"], default="all")
+    ap.add_argument("--value-bytes", type=int, nargs="+", default=[64 << 10, 1 << 20], help="io: one value's size")
+    ap.add_argument("--io-bytes", type=int, default=64 << 20, help="io: bytes per batch")
+    ap.add_argument("--io-reps", type=int, default=5)
+    ap.add_argument("--instances", type=int, default=3)
+    ap.add_argument("--users", type=int, default=16)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--context", type=int, default=1024, help="tokens of each user's own context")
+    ap.add_argument("--question", type=int, default=32)
+    ap.add_argument("--answer", type=int, default=16)
+    ap.add_argument("--concurrency", type=int, default=6, help="users asking at once")
+    ap.add_argument("--kv-blocks", type=int, default=400, help="each instance's KV cache, in blocks of 16 tokens")
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    cleanup = H.Cleanup()
+    print(f"box: {H._cpu_info()[0]}, {os.cpu_count()} cores, load {H.loadavg()}, {time.strftime('%Y-%m-%d')}",
+          flush=True)
+    results: dict[str, Any] = {"args": vars(args)}
+    if args.part in ("io", "all"):
+        results["io"] = io_part(cleanup, args)
+    if args.part in ("qa", "all"):
+        results["qa"] = qa_part(cleanup, args)
+    H.write_json(args.json, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
