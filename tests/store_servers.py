@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from peers import reserved_port
+from peers import reserved_port, stop
 
 
 def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 30.0) -> None:
@@ -102,13 +102,7 @@ class StoreServer:
 
     def stop(self) -> None:
         for proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(10)
+            stop(proc)
         self.procs.clear()
 
 

@@ -5,8 +5,8 @@ What must hold: a prefix the pdserve instance computed is loaded by vLLM from th
 as externally loaded) and a prefix vLLM computed is loaded by pdserve, the blocks regrouped between the two layouts
 on the way (the store holds pdserve's); each answer equals vLLM's own recompute (a request with a cache salt, which
 neither vLLM's prefix cache nor the store's keys share: tokens equal, logprobs within the cross-process bound); a
-damaged stored block makes vLLM use the blocks before it and recompute the rest (its `recompute` policy); and both
-instances end idle.
+damaged stored block makes vLLM use the blocks before it and recompute the rest (its `recompute` policy, which
+the store requires inside vLLM); and both instances end idle.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ def shared(models, tmp_path_factory):
     started = []
     try:
         vllm = start_vllm(model, name="V", wait=False, extra_args=("--block-size", str(BLOCK)),
-                          kv_transfer_config=pd_connector_config("kv_both", reserved_port(), kv_store=store))
+                          kv_transfer_config={**pd_connector_config("kv_both", reserved_port(), kv_store=store),
+                                              "kv_load_failure_policy": "recompute"})
         started.append(vllm)
         started.append(start_instance(model, "--max-model-len", "512", "--num-kv-blocks", "64", "--block-size",
                                       str(BLOCK), "--served-model-name", SERVED_NAME, "--kv-transfer-config",

@@ -28,7 +28,7 @@ class StoreStats:
     queued_bytes: int = 0
 
 
-_COUNTERS = (
+_COUNTERS = (  # in StoreStats' order, as `store_metric_values` reads them
     ("lookups", "Requests whose prompt blocks were looked up in the KV store."),
     ("lookup_blocks", "Prompt blocks looked up in the KV store (past the local prefix-cache hit)."),
     ("hit_blocks", "Blocks loaded from the KV store and used (not computed)."),
@@ -52,6 +52,8 @@ STORE_METRICS = (
 
 def store_metric_values(stats: StoreStats) -> dict[str, float]:
     """Every `STORE_METRICS` value now, by name."""
-    values = [getattr(stats, name) for name, _ in _COUNTERS]
-    values += [stats.refused[reason] for reason in REASONS] + [stats.up, stats.queued_bytes]
+    s = stats
+    values = (s.lookups, s.lookup_blocks, s.hit_blocks, s.miss_blocks, s.bytes_read, s.bytes_written,
+              s.blocks_written, s.write_refused, s.writes_dropped, s.errors, *(s.refused[r] for r in REASONS), s.up,
+              s.queued_bytes)
     return {metric.name: float(value) for metric, value in zip(STORE_METRICS, values, strict=True)}

@@ -17,8 +17,8 @@ from pdserve.ids import ReqId
 from pdserve.integrations.vllm.decode_first import DecodeFirstAsks
 from pdserve.integrations.vllm.requests import RequestView, parse_vllm_params
 from pdserve.integrations.vllm.schedule import PushSchedule
-from pdserve.integrations.vllm.settings import Settings, store_namespace
-from pdserve.kv_store.factory import build_store, chain_scheduler, store_entry
+from pdserve.integrations.vllm.settings import Settings, store_tier
+from pdserve.kv_store.factory import chain_scheduler
 from pdserve.kv_transfer.base import KVConnectorMetadata, KVConnectorScheduler
 from pdserve.kv_transfer.params import DecodeFirst, RemoteDecode
 from pdserve.kv_transfer.pd_connector import PdConnectorScheduler, ProducerIdentity
@@ -34,8 +34,7 @@ class VllmSchedulerSide:
             settings.extra.get("kv_load_timeout", 60.0)), load_failure_policy=settings.policy)
         self.pd.identity = ProducerIdentity(settings.engine_id, settings.host, settings.port)
         # The store tier's lookups are the scheduler's (its own client); its loads and writes the worker's.
-        raw = store_entry(settings.kv_cfg, settings.extra)
-        store = build_store(raw, store_namespace(vllm_config, settings)) if raw is not None else None
+        store = store_tier(vllm_config, settings)
         self.half: KVConnectorScheduler = chain_scheduler(self.pd, store) if store is not None else self.pd
         self._views: dict[str, RequestView] = {}
         self._held: set[str] = set()  # P: finished requests whose blocks wait for D's read or push, or a release

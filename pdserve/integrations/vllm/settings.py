@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdserve.kv_store.factory import namespace_for
-from pdserve.kv_store.keys import Namespace
+from pdserve.kv_store.factory import build_store, namespace_for, store_entry
+from pdserve.kv_store.tier import KVStoreTier
 from pdserve.kv_transfer.factory import extra_config, side_channel_address, weight_fingerprint
 from pdserve.utils import cdiv
 
@@ -53,13 +53,21 @@ def read_settings(vllm_config: Any) -> Settings:
                     policy=str(kv_cfg["kv_load_failure_policy"]), model=str(vllm_config.model_config.model))
 
 
-def store_namespace(vllm_config: Any, settings: Settings) -> Namespace:
-    """What this instance's blocks are, as the store tier names them: the same model (its weights' fingerprint),
-    dtype and block size as a pdserve instance's give the same namespace, so the two share stored prefixes."""
+def store_tier(vllm_config: Any, settings: Settings) -> KVStoreTier | None:
+    """The store tier's client for one side of the connector (None without `kv_store`). Its namespace is what this
+    instance's blocks are: the same model (its weights' fingerprint), dtype and block size as a pdserve instance's
+    give the same namespace, so the two share stored prefixes."""
+    raw = store_entry(settings.kv_cfg, settings.extra)
+    if raw is None:
+        return None
+    if settings.policy != "recompute":
+        raise ValueError("kv_store inside vLLM needs \"kv_load_failure_policy\": \"recompute\" (vLLM's default is "
+                         "fail): a stored block that turns out damaged, expired or evicted must be computed, not "
+                         "fail its request")
     model, cache = vllm_config.model_config, vllm_config.cache_config
     if cache.cache_dtype != "auto":
         raise ValueError(f"kv_store needs an unquantized KV cache; this instance's is {cache.cache_dtype}")
     name = model_fingerprint(settings.model) or f"name:{settings.model}"
     parallel = vllm_config.parallel_config
-    return namespace_for(name, model.dtype, settings.block_size, model.get_num_layers(parallel),
-                         model.get_num_kv_heads(parallel), model.get_head_size())
+    return build_store(raw, namespace_for(name, model.dtype, settings.block_size, model.get_num_layers(parallel),
+                                          model.get_num_kv_heads(parallel), model.get_head_size()))

@@ -28,9 +28,9 @@ from typing import Any
 import torch
 
 from pdserve.ids import ReqId
-from pdserve.integrations.vllm.settings import Settings, model_fingerprint, store_namespace
+from pdserve.integrations.vllm.settings import Settings, model_fingerprint, store_tier
 from pdserve.kv_store.blocks import VllmCpuBlocks, check_geometry
-from pdserve.kv_store.factory import build_store, chain_worker, store_entry
+from pdserve.kv_store.factory import chain_worker
 from pdserve.kv_store.metrics import store_metric_values
 from pdserve.kv_store.tier import KVStoreTier
 from pdserve.kv_transfer.agent import TransferAgent
@@ -114,15 +114,15 @@ class VllmWorkerSide:
     def _with_store(self, half: PdConnectorWorker, caches: tuple[torch.Tensor, ...]) -> KVConnectorWorker:
         """The store tier's worker half beside PdConnector's, reading and writing vLLM-CPU's cache regrouped into
         the stored layout (a GPU cache has no host layout to regroup: not supported there)."""
-        raw = store_entry(self.settings.kv_cfg, self.settings.extra)
-        if raw is None:
+        store = store_tier(self.vllm_config, self.settings)
+        if store is None:
             return half
         if caches[0].device.type != "cpu":
+            store.close()
             raise ValueError("kv_store inside vLLM serves a KV cache in host memory (vLLM-CPU)")
-        namespace = store_namespace(self.vllm_config, self.settings)
-        blocks = VllmCpuBlocks(caches, namespace)
-        check_geometry(namespace, caches[0][0].numel() * caches[0].element_size() * len(caches), len(caches))
-        self.store = build_store(raw, namespace)
+        blocks = VllmCpuBlocks(caches, store.namespace)
+        check_geometry(store.namespace, caches[0][0].numel() * caches[0].element_size() * len(caches), len(caches))
+        self.store = store
         chain = chain_worker(half, self.store)
         chain.store.attach(blocks)
         return chain
