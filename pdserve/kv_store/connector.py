@@ -63,6 +63,7 @@ class _Tracked:
     asked_at: float = 0.0
     load_first: int = 0  # the first block a planned load fills (the local hit's end)
     planned: bool = False  # allocated: from here on the request's KV is its own
+    missing: int = 0  # blocks past the local hit the store lacks, counted once the request is admitted
     written: int = 0  # blocks [0, written) are written, loaded or left alone
 
 
@@ -116,13 +117,11 @@ class StoreConnectorScheduler(KVConnectorScheduler):
             if time.monotonic() - tracked.asked_at < self.tier.config.lookup_timeout_s:
                 return None, False  # asked again at the next step; other requests run meanwhile
             self.tier.failed("a lookup ran past its deadline")
-            tracked.lookup = None
-            self.tier.stats.miss_blocks += last - local
+            tracked.lookup, tracked.missing = None, last - local
             return 0, False
         found = tracked.lookup.result()[local - tracked.lookup_first:last - tracked.lookup_first]
         run = next((i for i, present in enumerate(found) if not present), len(found))
-        self.tier.stats.miss_blocks += (last - local) - run
-        tracked.load_first = local
+        tracked.load_first, tracked.missing = local, (last - local) - run
         return (run * self.block_size, True) if run else (0, False)
 
     def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
@@ -130,6 +129,8 @@ class StoreConnectorScheduler(KVConnectorScheduler):
         if tracked is None or tracked.planned:
             return
         tracked.planned = True
+        self.tier.stats.miss_blocks += tracked.missing
+        tracked.missing = 0
         if num_external_tokens == 0:
             return
         first, count = tracked.load_first, num_external_tokens // self.block_size

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -255,6 +255,3 @@ class KVStoreTier:
         for pool in (self._reader, self._writer):
             pool.shutdown(wait=True, cancel_futures=True)
         self.backend.close()
-
-    def describe(self) -> dict[str, Any]:
-        return {"url": self.config.url, "namespace": self.namespace.tag, "block_size": self.namespace.block_size}
