@@ -67,7 +67,7 @@ def pdserve_path() -> str:
     """PYTHONPATH for a vLLM instance that runs pdserve's PdConnector: this checkout, plus what pdserve needs and
     vLLM's venv lacks, installed apart (scripts/install_vllm.sh --pdserve-deps) so vLLM's venv stays as it is."""
     venv = vllm_venv()
-    deps = DEFAULT_VENV.parent / "vllm-pdserve-deps"
+    deps = DEFAULT_VENV.parent / "vllm-pdserve-deps-2"  # -2: with the KV store tier's clients
     if not (deps / ".installed").exists():
         _install("pdserve's dependencies for vLLM", "--pdserve-deps", str(deps), str(venv))
     return f"{ROOT}{os.pathsep}{deps}"
