@@ -28,8 +28,12 @@ native: $(STAMP)
 demo: install
 	$(PY) scripts/demo.py
 
+# Parallel workers: most tests wait on subprocesses and sockets, so more workers than cores pay off (measured in
+# docs/benchmarks.md); --dist loadgroup keeps each file with shared servers on one worker (tests/conftest.py).
+TEST_WORKERS ?= 4
+
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 bench: install
 	$(PY) bench/engine.py

@@ -29,6 +29,11 @@ torch.set_num_threads(1)
 BREADTH_PLANES = {"mooncake"}
 
 
+# Fixtures of these scopes are made once per worker that runs a test needing them: such tests run in one worker.
+SHARED_SCOPES = {"package", "module", "class"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the xdist_group marks added here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     def breadth_only(item: pytest.Item) -> bool:
         params = getattr(item, "callspec", None)
@@ -40,6 +45,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = [item for item in items if not breadth_only(item)]
+    for item in items:
+        group_shared_fixtures(item)
+
+
+def group_shared_fixtures(item: pytest.Item) -> None:
+    """Put a test that uses a module- or class-scoped fixture in its file's xdist group, so that under
+    `--dist loadgroup` one worker runs the whole file and the fixture's servers start once, not once per worker.
+    A test marked with an xdist_group of its own keeps that group (several files can share one that way)."""
+    if item.get_closest_marker("xdist_group") is not None:
+        return
+    info = getattr(item, "_fixtureinfo", None)
+    if info is not None and any(defs[-1].scope in SHARED_SCOPES for defs in info.name2fixturedefs.values()):
+        item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 
 # Small enough to keep every engine cheap to build (the default budget zeroes ~0.5 GiB of KV cache).

@@ -22,12 +22,12 @@ import zmq
 from conftest import random_prompt
 from pdserve.kv_transfer.vllm_nixl.wire import AgentMetadata, HandshakePayload, ModelShape, compatibility_hash
 from pdserve.launcher import start_instance
-from peers import free_port
+from peers import reserved_port
 from server_utils import (assert_same_answer, completion_body, gateway_pull_equals_colocated, metric_values, toy_proxy,
                           wait_for, wait_until_idle)
-from vllm_live import ready, start_vllm, usage
+from vllm_live import NIXL_INSTANCES, ready, start_vllm, usage
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, NIXL_INSTANCES]
 
 # 20 tokens sit in one vLLM block (128) and two pdserve blocks (16); 300 span three vLLM blocks, the last partly.
 PROMPTS = [random_prompt(20, 41), random_prompt(300, 42)]
@@ -104,7 +104,7 @@ def test_a_request_refused_before_admission_frees_vllm_prefill(pair):
 
 def fake_vllm_producer(shape: ModelShape, version: str, engine_id: str) -> tuple[int, threading.Event]:
     """A side channel that answers one handshake as vLLM `version` would (nothing else is asked of it)."""
-    port = free_port()
+    port = reserved_port()
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.bind(f"tcp://127.0.0.1:{port}")

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from peers import reserved_port, wait_healthy
+from peers import cache_lock, reserved_port, wait_healthy
 from server_utils import metric_values
 
 from pdserve.launcher import Process, start
@@ -32,6 +32,9 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_VENV = ROOT / ".cache" / "vllm"
 INSTALL_SCRIPT = ROOT / "scripts" / "install_vllm.sh"
 SERVED_NAME = "tiny"
+# Test files that start vLLM instances with the NixlConnector share this pytest-xdist group, so one worker runs
+# them one after another: each such instance busy-polls a core, and two files' pairs at once would take four.
+NIXL_INSTANCES = pytest.mark.xdist_group("vllm-nixl")
 
 
 def vllm_venv() -> Path:
@@ -53,9 +56,12 @@ def torchvision_shim() -> Path:
 
 
 def _install(what: str, *args: str) -> None:
+    """Run the install script under .cache/vllm.lock: pytest-xdist workers that need vLLM at once wait for the
+    first one's install instead of starting their own into the same folder (the script skips what is installed)."""
     try:
-        subprocess.run(["bash", str(INSTALL_SCRIPT), *args], check=True, capture_output=True, timeout=900,
-                       env={**os.environ, "PYTHON": getattr(sys, "_base_executable", sys.executable)})
+        with cache_lock("vllm"):
+            subprocess.run(["bash", str(INSTALL_SCRIPT), *args], check=True, capture_output=True, timeout=900,
+                           env={**os.environ, "PYTHON": getattr(sys, "_base_executable", sys.executable)})
     except (subprocess.SubprocessError, OSError) as exc:
         detail = (getattr(exc, "stderr", b"") or b"").decode(errors="replace")[-3000:]
         if os.environ.get("CI") == "true":
