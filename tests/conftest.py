@@ -1,8 +1,24 @@
 """Shared fixtures for the engine tests: tiny models built once per session, engines that must end clean.
 
-Every test runs single-threaded (the CI machine has two cores and pytest runs one test at a time).
-Engines made through `make_llm` are checked at teardown: a test that leaves a KV block referenced fails,
-so block leaks show up in whichever test causes them.
+Every test runs single-threaded (torch threads 1). Engines made through `make_llm` are checked at teardown: a test
+that leaves a KV block referenced fails, so block leaks show up in whichever test causes them.
+
+`make test` runs the suite in parallel pytest-xdist workers (`-n 4 --dist loadfile`); `pytest -q tests/test_x.py`
+still runs one file in one process. Rules that keep a test safe in parallel workers:
+* One file runs on one worker, in file order, so a module-scoped fixture (a server shared by a file's tests) is
+  made once. Session-scoped fixtures are made once per worker: keep them for what is cheap or per process.
+* Files that must never run at the same time as each other go together into FILE_GROUPS (one worker runs them in
+  turn): e.g. files whose vLLM instances busy-poll a core.
+* Ports: servers bind port 0 and announce the port they got. A port chosen before its process binds it (a
+  third-party server, a restart on the same port, an address meant to be dead) comes from `peers.reserved_port()`,
+  which draws from this worker's own slice below the ephemeral range; never bind port 0, close it and reuse it.
+* Files: tmp_path / tmp_path_factory (each worker has its own base folder), never a fixed path under /tmp.
+  An install into .cache (vLLM, peer routers) runs under `peers.cache_lock(name)` and checks its stamp inside it.
+* Network namespaces are named with the test process's PID (tests/netns.py); any new ones must be too.
+* Other tests run beside yours, so every step can take several times longer than alone: wait on a condition with
+  a generous deadline, never sleep for a fixed time and then assert; never assert on elapsed time or on the
+  box's CPU use (a test may measure one process it started).
+* Start every process through a fixture or try/finally that stops it by PID, also when the test fails.
 """
 
 from __future__ import annotations
@@ -29,11 +45,6 @@ torch.set_num_threads(1)
 BREADTH_PLANES = {"mooncake"}
 
 
-# Fixtures of these scopes are made once per worker that runs a test needing them: such tests run in one worker.
-SHARED_SCOPES = {"package", "module", "class"}
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the xdist_group marks added here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     def breadth_only(item: pytest.Item) -> bool:
         params = getattr(item, "callspec", None)
@@ -45,19 +56,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = [item for item in items if not breadth_only(item)]
-    for item in items:
-        group_shared_fixtures(item)
 
 
-def group_shared_fixtures(item: pytest.Item) -> None:
-    """Put a test that uses a module- or class-scoped fixture in its file's xdist group, so that under
-    `--dist loadgroup` one worker runs the whole file and the fixture's servers start once, not once per worker.
-    A test marked with an xdist_group of its own keeps that group (several files can share one that way)."""
-    if item.get_closest_marker("xdist_group") is not None:
-        return
-    info = getattr(item, "_fixtureinfo", None)
-    if info is not None and any(defs[-1].scope in SHARED_SCOPES for defs in info.name2fixturedefs.values()):
-        item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+# Files that one pytest-xdist worker runs one after another, never beside each other: each starts vLLM instances
+# with the NixlConnector, and each such instance busy-polls a core, so two of these files at once would take four.
+FILE_GROUPS = {"vllm-nixl": ("test_vllm_fleet.py", "test_vllm_nixl.py", "test_vllm_nixl_sink.py",
+                             "test_vllm_pairing.py")}
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under `-n N --dist loadfile`: a whole file runs on one worker (its module-scoped servers start once), and
+    the files of a FILE_GROUPS entry run on one worker. (pytest-xdist's own `xdist_group` marks do nothing with
+    pytest 9.2, which no longer reads the node id that xdist rewrites to carry the group.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    group_of = {name: group for group, names in FILE_GROUPS.items() for name in names}
+
+    class FileGroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return group_of.get(Path(path).name, path)
+
+    return FileGroupScheduling(config, log)
 
 
 # Small enough to keep every engine cheap to build (the default budget zeroes ~0.5 GiB of KV cache).

@@ -10,11 +10,11 @@ from __future__ import annotations
 import httpx
 import pytest
 from server_utils import assert_json_equal, metric_values, sse_events
-from vllm_live import NIXL_INSTANCES, SERVED_NAME, ready, start_pd, start_vllm
+from vllm_live import SERVED_NAME, ready, start_pd, start_vllm
 
 from pdserve.launcher import start, start_instance
 
-pytestmark = [pytest.mark.vllm, NIXL_INSTANCES]
+pytestmark = pytest.mark.vllm
 
 # Fields that legitimately differ between two answers to the same request (ids, clocks, the engine's own config
 # hash), and what pdserve reports on purpose where vLLM sends null: see "Wire format" in docs/design.md.

@@ -25,9 +25,9 @@ from pdserve.launcher import start_instance
 from peers import reserved_port
 from server_utils import (assert_same_answer, completion_body, gateway_pull_equals_colocated, metric_values, toy_proxy,
                           wait_for, wait_until_idle)
-from vllm_live import NIXL_INSTANCES, ready, start_vllm, usage
+from vllm_live import ready, start_vllm, usage
 
-pytestmark = [pytest.mark.vllm, NIXL_INSTANCES]
+pytestmark = pytest.mark.vllm
 
 # 20 tokens sit in one vLLM block (128) and two pdserve blocks (16); 300 span three vLLM blocks, the last partly.
 PROMPTS = [random_prompt(20, 41), random_prompt(300, 42)]

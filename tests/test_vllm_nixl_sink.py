@@ -24,9 +24,9 @@ from pdserve.launcher import start_instance
 from peers import reserved_port
 from server_utils import (disaggregated_equals_colocated, gateway_pull_equals_colocated, metric_values, wait_for,
                           wait_until_idle)
-from vllm_live import NIXL_INSTANCES, ready, start_vllm, vllm_pulled
+from vllm_live import ready, start_vllm, vllm_pulled
 
-pytestmark = [pytest.mark.vllm, NIXL_INSTANCES]
+pytestmark = pytest.mark.vllm
 
 # 20 tokens sit in one vLLM block (128); 300 span three, the last partly.
 PROMPTS = [random_prompt(20, 51), random_prompt(300, 52)]

@@ -23,9 +23,9 @@ from conftest import random_prompt
 from pdserve.launcher import LaunchError, start, start_instance
 from peers import reserved_port
 from server_utils import metric_values, toy_proxy
-from vllm_live import NIXL_INSTANCES, ready, start_vllm, vllm_pulled
+from vllm_live import ready, start_vllm, vllm_pulled
 
-pytestmark = [pytest.mark.vllm, NIXL_INSTANCES]
+pytestmark = pytest.mark.vllm
 
 COMMON = ["--max-model-len", "512", "--num-kv-blocks", "128", "--served-model-name", "tiny"]
 # 10 tokens fit one pdserve block (D would handshake with P); 40 need three pdserve blocks but one vLLM block of

@@ -32,9 +32,6 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_VENV = ROOT / ".cache" / "vllm"
 INSTALL_SCRIPT = ROOT / "scripts" / "install_vllm.sh"
 SERVED_NAME = "tiny"
-# Test files that start vLLM instances with the NixlConnector share this pytest-xdist group, so one worker runs
-# them one after another: each such instance busy-polls a core, and two files' pairs at once would take four.
-NIXL_INSTANCES = pytest.mark.xdist_group("vllm-nixl")
 
 
 def vllm_venv() -> Path:
