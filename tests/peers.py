@@ -76,7 +76,7 @@ def worker_slice(low: int) -> range:
 def reserved_port(handed_out: set[int] = set()) -> int:  # noqa: B006 - remembers ports this process handed out
     """A free port for a process that binds it only later (vLLM imports for 20 s before binding its side channel,
     a restarted server binds its old port again): taken below the ephemeral range, so no bind to port 0 by
-    anything started meanwhile can take it, which is what a port bound once to port 0 and freed suffered in a full run ("Address
+    anything started meanwhile can take it (a port bound to 0 and freed was taken so in a full run: "Address
     already in use"), and from this worker's own slice of that range (`worker_slice`)."""
     ports = worker_slice(ephemeral_low())
     for _ in range(200):
