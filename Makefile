@@ -33,8 +33,13 @@ native: $(STAMP)
 demo: install
 	$(PY) scripts/demo.py
 
+# Parallel workers: most tests wait on subprocesses and sockets, so more workers than cores pay off (measured in
+# docs/benchmarks.md); --dist loadfile keeps each file on one worker, so its shared servers start once
+# (tests/conftest.py).
+TEST_WORKERS ?= 4
+
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 bench: install
 	$(PY) bench/engine.py
