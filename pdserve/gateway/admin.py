@@ -10,7 +10,10 @@ import logging
 from typing import Any
 from urllib.parse import urlsplit
 
+import msgspec
+
 from pdserve.gateway.registry import Instance
+from pdserve.kv_events.config import PublisherAddress, parse_address
 from pdserve.net.addresses import resolve
 from pdserve.net.auth import peer
 from pdserve.net.json_body import decode_object
@@ -53,12 +56,28 @@ async def membership(gateway: Any, scope: dict, body: bytes, path: str) -> tuple
         if why is not None:
             log.warning("admin: %s tried to register %s %s: refused, %s", peer(scope), role, url, why)
             return 400, _error(f"refused {url}: {why}")
+        publisher = _publisher(data.get("kv_events"))
         instance = gateway.registry.add(url, role)
+        if publisher is not None:
+            instance.kv_events = publisher
     except (TypeError, ValueError) as exc:  # a BodyError, or the registry refusing the URL or role
-        return 400, _error(f"expected {{\"url\": ..., \"role\": ...}}: {exc}")
+        return 400, _error(f"expected {{\"url\": ..., \"role\": ..., \"kv_events\": {{\"endpoint\": ..., "
+                           f"\"replay_endpoint\": ..., \"topic\": ...}} (optional)}}: {exc}")
     log.info("admin: %s registered %s instance %s", peer(scope), instance.role, instance.url)
     await gateway.registry.probe_all()
     return 200, {"url": instance.url, "role": instance.role, "healthy": instance.healthy, "kind": kind(instance)}
+
+
+def _publisher(data: Any) -> PublisherAddress | None:
+    """An optional `kv_events` object: where the instance publishes its KV events (vLLM's --kv-events-config)."""
+    if data is None:
+        return None
+    try:
+        address = msgspec.convert(data, PublisherAddress)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"kv_events: {exc}") from exc
+    parse_address(address.endpoint + (f",{address.replay_endpoint}" if address.replay_endpoint else ""))
+    return address
 
 
 def kind(instance: Instance) -> str | None:

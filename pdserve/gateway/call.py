@@ -23,6 +23,7 @@ from pdserve.gateway.conditional import ConditionalDisagg
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.registry import Instance, Registry
 from pdserve.ids import TransferId, new_transfer_id
+from pdserve.kv_events.prompt import RoutedPrompt
 from pdserve.net.http_client import Response, UpstreamError, UpstreamTimeout
 from pdserve.telemetry.timeline import Timeline
 from pdserve.telemetry.tracing import new_span_id
@@ -74,7 +75,12 @@ class GatewayHandle(Protocol):
     metrics: GatewayMetrics
     conditional: ConditionalDisagg
 
-    def pick(self, role: str, excluded: set[str], affinity: bytes, partner: Instance | None = None) -> Instance: ...
+    wants_prompt: bool  # whether picking needs the prompt's token ids
+
+    def pick(self, role: str, excluded: set[str], affinity: bytes, partner: Instance | None = None,
+             prompt: RoutedPrompt | None = None) -> Instance: ...
+
+    def prompt_of(self, body: dict[str, Any]) -> RoutedPrompt: ...
 
     def release_kv(self, instance: Instance, params: dict[str, Any], transfer_id: TransferId) -> None: ...
 
@@ -100,6 +106,8 @@ class Call:
     prefill_usage: dict[str, Any] | None = None
     timings: dict[str, float] = field(default_factory=dict)
     timeline: Timeline | None = None  # legs' start, first byte and end, for /v1/timeline and traces
+    prompt: RoutedPrompt | None = None  # token ids and their keys, for policies that route by them
+    weight: int = 0  # the tokens this request keeps an instance busy with (counted once the prompt is known)
     _counted: list[Instance] = field(default_factory=list)
     _upstream: list[Response] = field(default_factory=list)
     _leg_spans: dict[str, int] = field(default_factory=dict)  # tracing: the open span of each leg
@@ -123,6 +131,7 @@ class Call:
         self._upstream.clear()
         for instance in self._counted:
             instance.in_flight -= 1
+            instance.active_tokens -= self.weight
         self._counted.clear()
         if self.held is not None:
             instance, params = self.held
@@ -132,9 +141,18 @@ class Call:
     # -- picking --------------------------------------------------------------------------------------------
     def pick(self, role: str, partner: Instance | None = None) -> Instance:
         """An instance for `role`; `partner`: the other half of the pair, which it must be able to talk to."""
-        instance = self.gateway.pick(role, self.excluded, self.affinity(), partner)
+        prompt = self.routed_prompt() if self.gateway.wants_prompt else None
+        instance = self.gateway.pick(role, self.excluded, self.affinity(), partner, prompt)
         self.picks[role] = instance
         return instance
+
+    def routed_prompt(self) -> RoutedPrompt:
+        """The prompt's token ids (tokenized once per request), and from then on its weight as load."""
+        if self.prompt is None:
+            self.prompt = self.gateway.prompt_of(self.body)
+            if self.prompt.tokens is not None and not self._counted:
+                self.weight = self.prompt.num_tokens + _max_tokens(self.body)
+        return self.prompt
 
     def affinity(self) -> bytes:
         prompt = self.body.get("prompt")
@@ -207,6 +225,7 @@ class Call:
 
     async def _send(self, leg: str, instance: Instance, body: dict[str, Any], header_timeout: float) -> Response:
         instance.in_flight += 1
+        instance.active_tokens += self.weight
         self._counted.append(instance)
         headers = [(b"content-type", b"application/json"), (b"x-request-id", self.request_id.encode()),
                    *self.leg_started(leg, instance)]
@@ -257,6 +276,7 @@ class Call:
         if instance in self._counted:
             self._counted.remove(instance)
             instance.in_flight -= 1
+            instance.active_tokens -= self.weight
 
     def _leg_error(self, leg: str, instance: Instance, exc: Exception) -> LegError:
         """The instance could not be reached, broke off or missed a deadline: that counts against it."""
@@ -322,6 +342,15 @@ class Call:
                     pass
             out.append(event)
         return b"\n\n".join(out)
+
+
+def _max_tokens(body: dict[str, Any]) -> int:
+    """The output a request may still add to an instance's KV (vLLM's default, 16, when it does not say)."""
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        if type(value) is int and value > 0:
+            return value
+    return 16
 
 
 def _carries_usage(event: bytes) -> bool:

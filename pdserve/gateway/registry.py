@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 
 from pdserve.gateway.capabilities import Capabilities, learn
 from pdserve.gateway.health import Breaker, HealthPolicy
+from pdserve.kv_events.config import PublisherAddress
 from pdserve.net.http_client import HttpClient, HttpPool, UpstreamError, UpstreamTimeout
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,8 @@ class Instance:
     waiting: float = 0.0
     kv_usage: float = 0.0
     caps: Capabilities | None = None  # what it is; learned on each probe, None until it first answered
+    active_tokens: int = 0  # prompt and output tokens of the legs in flight here (kv_aware's load)
+    kv_events: PublisherAddress | None = None  # where it publishes KV events, when told (vLLM has no info endpoint)
 
     @property
     def healthy(self) -> bool:
