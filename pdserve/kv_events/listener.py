@@ -8,7 +8,8 @@ Per instance, the subscription is a small state machine:
 * on connect, the instance's entries are cleared and its history **replayed** from sequence 0 (what the publisher
   still buffers), then what arrived live meanwhile is applied in order; a publisher without a replay endpoint is
   taken from its next batch on.
-* **live**: batches apply in sequence. A gap (the publisher's high-water mark dropped some) replays from the first
+* **live**: batches apply in sequence. A publisher that falls quiet is asked for anything after its last batch
+  now and then (`idle_replay_s`): a loss at the end of a burst shows no gap until another batch comes. A gap (the publisher's high-water mark dropped some) replays from the first
   missing one, or, with no replay endpoint, clears the instance. A sequence that goes back means the engine
   restarted (or a batch came twice): the instance is cleared and replayed from 0. A replay that does not end in
   time degrades the instance (cleared, retried later). A batch that does not decode clears the instance; a message
@@ -65,10 +66,11 @@ class _Subscription:
 
 class Listener:
     def __init__(self, index: PrefixIndex, replay_timeout_s: float = 5.0, retry_s: float = 2.0,
-                 rcvhwm: int = 100_000) -> None:
+                 rcvhwm: int = 100_000, idle_replay_s: float = 5.0) -> None:
         self.index = index
         self.replay_timeout_s = replay_timeout_s
         self.retry_s = retry_s
+        self.idle_replay_s = idle_replay_s
         self.rcvhwm = rcvhwm
         self._ctx = zmq.Context()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -192,7 +194,9 @@ class Listener:
         sub.deadline = time.monotonic() + self.retry_s if retry else 0.0
 
     def _on_deadline(self, sub: _Subscription) -> None:
-        if sub.state == "replaying":
+        if sub.state == "live":  # quiet for a while: ask for anything after the last batch
+            self._start_replay(sub, sub.next_seq or 0, clear=False, counted=False)
+        elif sub.state == "replaying":
             log.warning("the KV events of %s: no replay within %g s; scoring it by load for now", sub.member,
                         self.replay_timeout_s)
             self._degrade(sub, retry=True)
@@ -200,7 +204,7 @@ class Listener:
             self._start_replay(sub, 0, clear=True)
 
     # -- replay ------------------------------------------------------------------------------------------
-    def _start_replay(self, sub: _Subscription, start: int, clear: bool) -> None:
+    def _start_replay(self, sub: _Subscription, start: int, clear: bool, counted: bool = True) -> None:
         if clear:
             self.index.clear(sub.member)
             sub.next_seq = None
@@ -214,7 +218,7 @@ class Listener:
         dealer.connect(sub.address.replay_endpoint)
         self._watch(sub, dealer, "dealer")
         dealer.send_multipart((b"", start.to_bytes(8, "big")))
-        sub.counters.replays += 1
+        sub.counters.replays += counted
         sub.state = "replaying"
         sub.deadline = time.monotonic() + self.replay_timeout_s
 
@@ -231,7 +235,8 @@ class Listener:
                 self._apply(sub, seq, frames[-1])
 
     def _end_replay(self, sub: _Subscription) -> None:
-        sub.state, sub.deadline = "live", 0.0
+        sub.state = "live"
+        self._quiet_from_now(sub)
         self._unwatch(sub.dealer)
         sub.dealer = None
         held, sub.held = sub.held, []
@@ -296,3 +301,9 @@ class Listener:
             return
         sub.counters.batches += 1
         self.index.apply(sub.member, batch.events)
+        if sub.state == "live":
+            self._quiet_from_now(sub)
+
+    def _quiet_from_now(self, sub: _Subscription) -> None:
+        """A live subscription with a replay endpoint asks for missed batches once it has been quiet a while."""
+        sub.deadline = time.monotonic() + self.idle_replay_s if sub.address.replay_endpoint is not None else 0.0

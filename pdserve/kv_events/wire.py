@@ -42,17 +42,17 @@ class BlockStored(KVCacheEvent):
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
-    locality: Any = None
-    ownership: Any = None
-    session_id: Any = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
 
 
 class BlockRemoved(KVCacheEvent):
     block_hashes: list[EngineHash]
     medium: str | None
     group_idx: int | None = None
-    locality: Any = None
-    ownership: Any = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):

@@ -1,0 +1,261 @@
+"""KV events without a model: vLLM's encodings decoded by name, the dual-key prefix index, and the gateway's
+listener against pdserve's real ZMQ publisher (PUB + replay ROUTER over ipc sockets in tmp_path): replay on
+connect, gaps from a real high-water-mark overflow, restarts, duplicates, foreign and malformed messages, a
+publisher that dies or was never there."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from pdserve.kv_events.config import KVEventsConfig, PublisherAddress, parse_address, parse_config
+from pdserve.kv_events.index import PrefixIndex, content_keys
+from pdserve.kv_events.listener import Listener
+from pdserve.kv_events.publisher import KVEventPublisher
+from pdserve.kv_events.wire import (AllBlocksCleared, BlockRemoved, BlockStored, EventDecodeError, decode_batch,
+                                    encode_batch, KVEventBatch)
+from server_utils import wait_for
+
+BS = 4
+
+
+def stored(hashes, parent, tokens, bs=BS, medium="GPU"):
+    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=bs, lora_id=None,
+                       medium=medium, lora_name=None)
+
+
+def held(index: PrefixIndex, tokens: list[int], bs: int, member: str) -> float:
+    return index.overlap_blocks(content_keys(tokens, bs), bs, [member])[member]
+
+
+# -- the wire -----------------------------------------------------------------------------------------------
+def test_both_encodings_decode_by_field_name_with_defaults_omitted_and_unknown_fields_ignored():
+    tagged = msgspec.msgpack.encode([1.5, [
+        {"type": "BlockStored", "block_hashes": [2**64 - 1], "parent_block_hash": None, "token_ids": [1, 2, 3, 4],
+         "block_size": 4, "lora_id": None, "medium": "GPU", "lora_name": None, "a_field_from_the_future": [1]},
+        {"type": "BlockRemoved", "block_hashes": [b"\x01" * 32]},  # medium omitted (a foreign publisher)
+        {"type": "AllBlocksCleared"}], 0])
+    positional = msgspec.msgpack.encode([1.5, [
+        ["BlockStored", [-1], None, [1, 2, 3, 4], 4, None, "GPU"],  # lora_name and later fields omitted
+        ["BlockRemoved", [b"\x01" * 32], "CPU", 0],
+        ["AllBlocksCleared"]]])
+    for payload in (tagged, positional):
+        batch = decode_batch(payload)
+        first, second, third = batch.events
+        assert isinstance(first, BlockStored) and first.token_ids == [1, 2, 3, 4] and first.block_size == 4
+        assert first.lora_name is None and first.extra_keys is None
+        assert isinstance(second, BlockRemoved) and second.block_hashes == [b"\x01" * 32]
+        assert isinstance(third, AllBlocksCleared)
+    assert decode_batch(positional).events[1].medium == "CPU"
+
+
+@pytest.mark.parametrize("payload", [b"\xc1", msgspec.msgpack.encode("text"), msgspec.msgpack.encode([1.0, 7]),
+                                     msgspec.msgpack.encode([1.0, [{"type": "BlockMoved"}]]),
+                                     msgspec.msgpack.encode([1.0, [{"type": "BlockStored", "block_hashes": "x"}]]),
+                                     msgspec.msgpack.encode([1.0, [42]])])
+def test_malformed_payloads_are_refused_with_a_reason(payload):
+    with pytest.raises(EventDecodeError):
+        decode_batch(payload)
+
+
+def test_config_is_read_as_vllm_reads_it():
+    assert not parse_config({}).enabled
+    assert parse_config({"enable_kv_cache_events": True}).enabled
+    assert not parse_config({"enable_kv_cache_events": True, "publisher": "null"}).enabled
+    for bad in ({"publisher": "kafka"}, {"hwm": 0}, {"endpoint": "http://x:1"}, {"not_a_field": 1}):
+        with pytest.raises(ValueError):
+            parse_config(bad)
+    assert parse_address("tcp://h:1,tcp://h:2") == PublisherAddress(endpoint="tcp://h:1", replay_endpoint="tcp://h:2")
+    with pytest.raises(ValueError):
+        parse_address("http://h:1")
+
+
+# -- the index ----------------------------------------------------------------------------------------------
+def test_blocks_are_keyed_by_content_per_block_size_and_removed_by_engine_hash():
+    index = PrefixIndex()
+    tokens = list(range(100, 116))
+    # Two engines, two hash schemes (signed, unsigned, digests), two block sizes: the same content key.
+    index.apply("a", [stored([-5, -6], None, tokens[:8]), stored([-7], -6, tokens[8:12])])
+    index.apply("b", [stored([b"x" * 32, b"y" * 32], None, tokens[:8], bs=4)])
+    index.apply("c", [stored([10], None, tokens[:8], bs=8)])
+    assert held(index, tokens, BS, "a") == 3 and held(index, tokens, BS, "b") == 2
+    assert held(index, tokens, 8, "c") == 1 and held(index, tokens, BS, "c") == 0
+    assert held(index, [0] + tokens[1:], BS, "a") == 0  # another first block: no prefix in common
+    index.apply("a", [BlockRemoved(block_hashes=[2**64 - 6], medium="GPU")])  # -6 as unsigned: the same block
+    assert held(index, tokens, BS, "a") == 1  # the run from the start stops at the removed block
+    index.apply("a", [stored([-8], 999, tokens[:4])])  # a parent it never heard of: not indexed
+    assert index.stats.orphans == 1
+    index.apply("b", [AllBlocksCleared()])
+    assert held(index, tokens, BS, "b") == 0 and index.held_blocks()["b"] == 0
+
+
+def test_copies_are_counted_and_tiers_credited_by_weight():
+    index = PrefixIndex(offload_weight=0.75)
+    tokens = list(range(8))
+    index.apply("a", [stored([1, 2], None, tokens), stored([1, 2], None, tokens)])  # two device copies
+    index.apply("a", [BlockRemoved(block_hashes=[2], medium="GPU")])
+    assert held(index, tokens, BS, "a") == 2  # one copy of block 2 is left
+    index.apply("a", [stored([2], None, [], medium="STORAGE"), BlockRemoved(block_hashes=[2], medium="GPU")])
+    assert held(index, tokens, BS, "a") == 1.75  # block 2 now only in the store tier
+    index.apply("a", [BlockRemoved(block_hashes=[2], medium="STORAGE")])
+    assert held(index, tokens, BS, "a") == 1
+
+
+def test_memory_is_bounded_by_an_lru_and_speculative_credits_expire():
+    index = PrefixIndex(capacity=6, speculative_ttl_s=0.2)
+    for n in range(4):
+        index.apply("a", [stored([10 * n + 1, 10 * n + 2], None, [n] * 8)])
+    assert index.size() == 6 and index.stats.evicted == 2
+    assert held(index, [0] * 8, BS, "a") == 0 and held(index, [3] * 8, BS, "a") == 2
+    tokens = list(range(50, 62))
+    index.credit("b", content_keys(tokens, BS), BS)  # not publishing: never credited
+    index.join("a")
+    index.credit("a", content_keys(tokens, BS), BS)
+    assert held(index, tokens, BS, "a") == 3 and held(index, tokens, BS, "b") == 0
+    time.sleep(0.25)
+    index.sweep()
+    assert held(index, tokens, BS, "a") == 0
+
+
+# -- the listener against the real publisher ---------------------------------------------------------------
+@pytest.fixture
+def ipc(tmp_path):
+    def config(name: str, **extra) -> KVEventsConfig:
+        return KVEventsConfig(enable_kv_cache_events=True, endpoint=f"ipc://{tmp_path}/{name}.pub",
+                              replay_endpoint=f"ipc://{tmp_path}/{name}.replay", topic=f"kv@{name}", **extra)
+    return config
+
+
+@pytest.fixture
+def listening():
+    made = []
+
+    def make(**kwargs) -> tuple[PrefixIndex, Listener]:
+        index = PrefixIndex()
+        listener = Listener(index, **kwargs)
+        listener.start()
+        made.append(listener)
+        return index, listener
+
+    yield make
+    for listener in made:
+        listener.stop()
+
+
+def state(listener: Listener, member: str) -> str:
+    return listener.snapshot().get(member, ("absent",))[0]
+
+
+def publish_blocks(publisher: KVEventPublisher, first: int, count: int) -> None:
+    """`count` one-block batches, each block chained to the one before (block n holds tokens [n]*BS)."""
+    for n in range(first, first + count):
+        publisher.record(stored([n + 1], n if n else None, [n] * BS))
+        publisher.end_step()
+
+
+def chain(count: int) -> list[int]:
+    return [t for n in range(count) for t in [n] * BS] + [0]
+
+
+def test_late_subscriber_replays_history_then_follows_live(ipc, listening):
+    publisher = KVEventPublisher(ipc("p"), block_size=BS)
+    try:
+        publish_blocks(publisher, 0, 5)
+        wait_for(lambda: publisher.batches == 5, what="the publisher to send")
+        index, listener = listening()
+        listener.set_members({"p": publisher.address()})
+        wait_for(lambda: held(index, chain(5), BS, "p") == 5, what="the replay")
+        publish_blocks(publisher, 5, 3)
+        wait_for(lambda: held(index, chain(8), BS, "p") == 8, what="live batches")
+        state, counters = listener.snapshot()["p"]
+        assert state == "live" and counters.replays == 1 and counters.gaps == 0
+        listener.set_members({})  # it left the membership: gone from the index
+        wait_for(lambda: "p" not in index.held_blocks(), what="the member to be dropped")
+    finally:
+        publisher.close()
+
+
+@pytest.mark.parametrize("found_by", ["the next batch", "a quiet spell"])
+def test_events_lost_to_the_high_water_mark_are_replayed(ipc, listening, found_by):
+    """The subscriber stalls while thousands of batches are sent: past both high-water marks ZMQ drops them. The
+    loss shows as a gap when the next batch comes, or, if none comes, when the quiet publisher is asked."""
+    publisher = KVEventPublisher(ipc("p", hwm=5), block_size=BS)
+    index, listener = listening(rcvhwm=5, idle_replay_s=0.3 if found_by == "a quiet spell" else 600)
+    try:
+        listener.set_members({"p": publisher.address()})
+        wait_for(lambda: state(listener, "p") == "live", what="the subscription")
+        listener._stopping.set()  # the subscriber stalls: nothing reads its socket while thousands are sent
+        listener._thread.join(5)
+        publish_blocks(publisher, 0, 3000)
+        wait_for(lambda: publisher.batches == 3000, timeout=60, what="the publisher to send")
+        listener._stopping.clear()
+        listener.start()
+        if found_by == "the next batch":
+            wait_for(lambda: listener.snapshot()["p"][1].batches > 0, what="the batches that got through")
+            publish_blocks(publisher, 3000, 1)
+        wait_for(lambda: held(index, chain(3001 if found_by == "the next batch" else 3000), BS, "p") >= 3000,
+                 timeout=60, what="a replay to fill the gap")
+        assert (listener.snapshot()["p"][1].gaps >= 1) == (found_by == "the next batch")
+    finally:
+        publisher.close()
+
+
+def test_a_restarted_publisher_is_rebuilt_and_a_dead_one_scored_by_load(ipc, listening):
+    config = ipc("p")
+    publisher = KVEventPublisher(config, block_size=BS)
+    index, listener = listening()
+    listener.set_members({"p": publisher.address()})
+    publish_blocks(publisher, 0, 4)
+    wait_for(lambda: held(index, chain(4), BS, "p") == 4, what="the first engine's blocks")
+    publisher.close()  # the engine dies: its blocks must not be credited any more
+    wait_for(lambda: "p" not in index.held_blocks(), what="the dead publisher to be dropped")
+    publisher = KVEventPublisher(config, block_size=BS)  # restarted: sequence from 0, another cache
+    try:
+        publisher.record(stored([77], None, [9] * BS))
+        publisher.end_step()
+        wait_for(lambda: held(index, [9] * BS + [0], BS, "p") == 1, what="the new engine's blocks")
+        assert held(index, chain(4), BS, "p") == 0
+        assert listener.snapshot()["p"][1].disconnects >= 1
+    finally:
+        publisher.close()
+
+
+def test_duplicated_foreign_and_malformed_messages(ipc, listening, tmp_path):
+    """A raw PUB socket speaks for the publisher: a batch sent twice, frames that are no batch, a payload that is
+    no msgpack; the replay endpoint is absent, so every repair is a clear of that instance."""
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.bind(f"ipc://{tmp_path}/raw.pub")
+    index, listener = listening()
+    try:
+        listener.set_members({"p": PublisherAddress(endpoint=f"ipc://{tmp_path}/raw.pub")})
+        wait_for(lambda: state(listener, "p") == "live", what="the subscription")
+
+        def send(seq: int, events) -> None:
+            pub.send_multipart([b"", seq.to_bytes(8, "big"), encode_batch(KVEventBatch(time.time(), events))])
+
+        time.sleep(0.3)  # a SUB's subscription reaches a PUB a moment after it connects
+        send(0, [stored([1], None, [0] * BS)])
+        send(1, [stored([2], 1, [1] * BS)])
+        wait_for(lambda: held(index, chain(2), BS, "p") == 2, what="two blocks")
+        send(1, [stored([2], 1, [1] * BS)])  # the same batch again: the sequence went back
+        pub.send_multipart([b"not", b"a batch"])  # foreign framing: ignored
+        pub.send_multipart([b"", (2).to_bytes(8, "big"), b"\xc1"])  # undecodable: the instance is cleared
+        send(3, [stored([5], None, [7] * BS)])
+        wait_for(lambda: held(index, [7] * BS + [0], BS, "p") == 1, what="the batch after the bad one")
+        counters = listener.snapshot()["p"][1]
+        assert counters.restarts == 1 and counters.decode_errors == 2
+        assert held(index, chain(2), BS, "p") == 0  # cleared, never credited from a broken stream
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_an_unreachable_publisher_is_never_an_error(tmp_path, listening):
+    index, listener = listening(replay_timeout_s=0.3, retry_s=0.2)
+    listener.set_members({"gone": PublisherAddress(endpoint=f"ipc://{tmp_path}/nobody.pub",
+                                                   replay_endpoint=f"ipc://{tmp_path}/nobody.replay")})
+    time.sleep(0.5)
+    assert state(listener, "gone") == "connecting" and index.held_blocks() == {}
