@@ -222,7 +222,7 @@ def start_instances(topology: str, model: Path, blocks: int, servers: H.Servers)
     insts = {}
     for name, role in roles.items():
         extra = ["--kv-transfer-config", H.kv_config(role)] if role else []
-        insts[name] = servers.instance(name, model, "--max-model-len", "2048", "--num-kv-blocks", str(blocks),
+        insts[name] = servers.instance(name, model, "--max-model-len", "1024", "--num-kv-blocks", str(blocks),
                                        "--threads", "1", "--kv-events-config", events, "--served-model-name", "m",
                                        "--disable-log-requests", *extra)
     return insts

@@ -26,6 +26,8 @@ from xxhash import xxh3_64_intdigest
 from pdserve.kv_events.wire import MEDIUM_DEVICE, AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, Event, \
     engine_key
 
+_U64 = (1 << 64) - 1
+
 ROOT_KEY = 1337  # the chain's seed (Dynamo seeds its block hashes with it too)
 
 
@@ -141,28 +143,41 @@ class PrefixIndex:
             return
         state.block_size = bs
         step = bs * 4
-        for i, block_hash in enumerate(event.block_hashes):
+        blocks, guesses = state.blocks, state.speculative
+        for i, block_hash in enumerate(event.block_hashes):  # the hot loop of event handling: kept flat
             parent_key = xxh3_64_intdigest(data[i * step:(i + 1) * step], parent_key)
-            ekey = engine_key(block_hash)
-            entry = state.blocks.get(ekey)
+            ekey = block_hash & _U64 if type(block_hash) is int else bytes(block_hash)
+            entry = blocks.get(ekey)
             if entry is None or entry.key != parent_key:
                 if entry is not None:
                     self._forget(member, state, ekey)
-                entry = state.blocks[ekey] = _Entry(parent_key, bs)
-            self._add_copy(member, ekey, entry, device)
-            if state.speculative.pop((bs, parent_key), None) is not None:
+                entry = blocks[ekey] = _Entry(parent_key, bs)
+            self._add_copy(member, ekey, entry, device, trim=False)
+            if guesses and guesses.pop((bs, parent_key), None) is not None:
                 self._unguess(member, bs, parent_key)
+        self._trim()
 
-    def _add_copy(self, member: str, ekey: EngineHash, entry: _Entry, device: bool) -> None:
+    def _add_copy(self, member: str, ekey: EngineHash, entry: _Entry, device: bool, trim: bool = True) -> None:
         if device:
             entry.device += 1
         else:
             entry.offload += 1
-        self._holders.setdefault(entry.block_size, {}).setdefault(entry.key, {})[member] = \
-            1.0 if entry.device else self.offload_weight
+        by_key = self._holders.get(entry.block_size)
+        if by_key is None:
+            by_key = self._holders[entry.block_size] = {}
+        holders = by_key.get(entry.key)
+        if holders is None:
+            holders = by_key[entry.key] = {}
+        holders[member] = 1.0 if entry.device else self.offload_weight
         lru_key = (member, ekey)
-        self._lru[lru_key] = None
-        self._lru.move_to_end(lru_key)
+        if lru_key in self._lru:
+            self._lru.move_to_end(lru_key)
+        else:
+            self._lru[lru_key] = None
+        if trim:
+            self._trim()
+
+    def _trim(self) -> None:
         while len(self._lru) > self.capacity:
             (old_member, old_hash), _ = self._lru.popitem(last=False)
             self.stats.evicted += 1

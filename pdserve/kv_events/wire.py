@@ -74,6 +74,7 @@ _FIELDS: dict[str, tuple[type[KVCacheEvent], tuple[str, ...]]] = {
 _REQUIRED_NONE = {"parent_block_hash", "lora_id", "medium", "lora_name"}
 
 encode_batch = msgspec.msgpack.Encoder().encode
+_decode_typed = msgspec.msgpack.Decoder(KVEventBatch).decode
 _decode_any = msgspec.msgpack.Decoder().decode
 
 
@@ -83,6 +84,10 @@ class EventDecodeError(ValueError):
 
 def decode_batch(payload: bytes) -> KVEventBatch:
     """Decode one published payload, whichever shape its events take; raises EventDecodeError."""
+    try:  # vLLM 0.32's and pdserve's shape, decoded in one pass
+        return _decode_typed(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        pass
     try:
         raw = _decode_any(payload)
     except msgspec.DecodeError as exc:
