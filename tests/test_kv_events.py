@@ -259,3 +259,31 @@ def test_an_unreachable_publisher_is_never_an_error(tmp_path, listening):
                                                    replay_endpoint=f"ipc://{tmp_path}/nobody.replay")})
     time.sleep(0.5)
     assert state(listener, "gone") == "connecting" and index.held_blocks() == {}
+
+
+def test_the_index_mirrors_an_engine_prefix_cache(make_llm, llama_dir, ipc, listening):
+    """An engine whose cache is too small for its prompts stores, evicts and resets blocks; the index built from
+    its events holds exactly what its block pool holds, keyed so that a prompt's cached prefix is found."""
+    from pdserve.sampling_params import SamplingParams
+    from conftest import random_prompt
+
+    llm = make_llm(llama_dir, num_kv_blocks=40, max_model_len=256)
+    publisher = KVEventPublisher(ipc("engine"), block_size=16)
+    llm.engine.publish_kv_events(publisher)
+    index, listener = listening()
+    listener.set_members({"engine": publisher.address()})
+    try:
+        prompts = [random_prompt(100, seed) for seed in range(8)]  # 6 full blocks each: 48 > 40 blocks
+        llm.generate([p + [7] * 20 for p in prompts[:2]] + prompts, SamplingParams(max_tokens=4, temperature=0))
+        pool = llm.engine.kv.pool
+        assert publisher.dropped == 0
+        wait_for(lambda: index.held_blocks().get("engine") == len(pool.cached), what="the index to match the pool")
+        assert held(index, prompts[-1] + [1], 16, "engine") == 6  # the newest prompt is still cached
+        assert held(index, prompts[0] + [1], 16, "engine") < 6  # the oldest lost blocks to eviction
+        assert index.stats.events["BlockRemoved"] > 0 and index.stats.orphans == 0
+        llm.engine.kv.reset_prefix_cache()
+        llm.generate([prompts[1]], SamplingParams(max_tokens=1))
+        wait_for(lambda: index.held_blocks().get("engine") == len(pool.cached) == 6, what="a reset, then one prompt")
+        assert index.stats.events["AllBlocksCleared"] == 1
+    finally:
+        publisher.close()

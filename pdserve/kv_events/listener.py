@@ -34,7 +34,7 @@ from pdserve.kv_events.wire import EventDecodeError, decode_batch
 
 log = logging.getLogger(__name__)
 
-_POLL_MS = 50
+_MAX_WAIT_S = 1.0  # the thread sleeps until a socket, a command or its next deadline; at most this long
 _SWEEP_S = 1.0
 _MAX_HELD = 10_000  # live batches kept while a replay runs; past it the replay starts over
 _END_SEQ = -1
@@ -77,6 +77,12 @@ class Listener:
         self._subs: dict[str, _Subscription] = {}
         self._by_socket: dict[zmq.Socket, tuple[_Subscription, str]] = {}
         self._poller = zmq.Poller()
+        # set_members wakes the thread through an inproc pair (the caller's end is used from one thread only).
+        self._wake_rx = self._ctx.socket(zmq.PAIR)
+        self._wake_rx.bind(f"inproc://kv-listener-{id(self)}")
+        self._wake_tx = self._ctx.socket(zmq.PAIR)
+        self._wake_tx.connect(f"inproc://kv-listener-{id(self)}")
+        self._poller.register(self._wake_rx, zmq.POLLIN)
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -87,6 +93,7 @@ class Listener:
 
     def stop(self) -> None:
         self._stopping.set()
+        self._wake()
         if self._thread is not None:
             self._thread.join(5)
         for sub in list(self._subs.values()):
@@ -96,6 +103,13 @@ class Listener:
     def set_members(self, members: dict[str, PublisherAddress]) -> None:
         """The instances that publish and where; the listener subscribes, resubscribes and drops to match."""
         self._commands.put(dict(members))
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            self._wake_tx.send(b"", zmq.NOBLOCK)
+        except zmq.ZMQError:  # already woken (a full pipe) or closed
+            pass
 
     def snapshot(self) -> dict[str, tuple[str, Counters]]:
         """Each subscription's state and counters (read by the metrics; plain values, safe across threads)."""
@@ -106,10 +120,15 @@ class Listener:
         next_sweep = time.monotonic() + _SWEEP_S
         while not self._stopping.is_set():
             self._apply_commands()
-            for sock, _ in self._poller.poll(_POLL_MS):
+            wake_at = min([next_sweep, *(s.deadline for s in self._subs.values() if s.deadline)])
+            wait_ms = int(max(0.0, min(wake_at - time.monotonic(), _MAX_WAIT_S)) * 1000) + 1
+            for sock, _ in self._poller.poll(wait_ms):
                 owner = self._by_socket.get(sock)
                 if owner is not None:
                     self._dispatch(*owner)
+                elif sock is self._wake_rx:
+                    while self._wake_rx.poll(0):
+                        self._wake_rx.recv()
             now = time.monotonic()
             for sub in list(self._subs.values()):
                 if sub.deadline and now >= sub.deadline:

@@ -61,6 +61,7 @@ class KVRouting:
                         "prefix index; text and chat prompts are routed by load")
         self.overlap_weight = overlap_weight
         self._task: asyncio.Task | None = None
+        self._members: dict[str, PublisherAddress] | None = None
 
     def policy(self) -> KvAware:
         return KvAware(self.index, self.overlap_weight)
@@ -92,4 +93,6 @@ class KVRouting:
             address = publisher_of(instance)
             if address is not None:
                 members[instance.url] = address
-        self.listener.set_members(members)
+        if members != self._members:  # the listener thread is woken only for a change
+            self._members = members
+            self.listener.set_members(members)
