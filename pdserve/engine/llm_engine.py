@@ -12,9 +12,9 @@ from pdserve.config import EngineConfig
 from pdserve.ec_transfer.base import ECConnector
 from pdserve.ec_transfer.factory import ec_policy
 from pdserve.ec_transfer.params import ECSource
+from pdserve.engine.block_pool import ROOT_HASH
 from pdserve.engine.faults import EngineFaults
 from pdserve.engine.host_memory import keep_freed_memory
-from pdserve.engine.block_pool import ROOT_HASH
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_runner import ModelRunner, default_kv_allocator
 from pdserve.engine.output_processor import OutputProcessor, RequestOutput

@@ -93,8 +93,10 @@ class PromptTokenizer:
         return token_ids(prompt)
 
     def render_chat(self, body: dict[str, Any]) -> str | None:
+        """The chat prompt as the template renders it; with no template (a bare tokenizer.json), the messages'
+        contents joined, which counts a prompt's length closely but names no instance's blocks."""
         messages = body.get("messages")
-        if self.template is None or not isinstance(messages, list):
+        if not isinstance(messages, list):
             return None
         flat = []
         for message in messages:
@@ -106,6 +108,8 @@ class PromptTokenizer:
                     return None  # media: its placeholder tokens do not say which image
                 message = {**message, "content": "\n".join(str(p.get("text", "")) for p in content)}
             flat.append({k: v for k, v in message.items() if v is not None})
+        if self.template is None:
+            return "\n".join(str(m.get("content", "")) for m in flat)
         kwargs = body.get("chat_template_kwargs") if isinstance(body.get("chat_template_kwargs"), dict) else {}
         return self.template.render(
             **self.special, **kwargs, messages=flat, tools=body.get("tools"),
