@@ -287,3 +287,32 @@ def test_the_index_mirrors_an_engine_prefix_cache(make_llm, llama_dir, ipc, list
         assert index.stats.events["AllBlocksCleared"] == 1
     finally:
         publisher.close()
+
+
+def test_kv_aware_weighs_cached_tokens_against_load_and_credits_its_choice():
+    from pdserve.gateway.registry import Instance
+    from pdserve.kv_events.policy import KvAware
+    from pdserve.kv_events.prompt import RoutedPrompt
+
+    def instance(url: str) -> Instance:
+        made = Instance(url=url, role="both", pool=None)
+        made.breaker.probe_result(ok=True, slow=False)
+        return made
+
+    index = PrefixIndex()
+    a, b, c = instance("http://a:1"), instance("http://b:1"), instance("http://c:1")
+    tokens = list(range(200, 265))  # 64 tokens hit at most (the last is computed): 16 blocks of 4
+    index.join(b.url, BS)  # publishing, nothing cached yet: its block size is what it announced
+    index.apply(a.url, [stored(list(range(1, 17)), None, tokens[:64])])
+    prompt = RoutedPrompt(tokens)
+    assert KvAware(index).pick([c, b, a], prompt=prompt) is a and prompt.cached == {a.url: 64.0}
+    a.active_tokens = 70  # busier than recomputing the whole prompt elsewhere costs
+    assert KvAware(index).pick([a, b, c], prompt=RoutedPrompt(tokens)) is not a
+    assert KvAware(index, overlap_weight=0).pick([a, b], prompt=RoutedPrompt(tokens)) is b  # load alone
+    a.active_tokens = 0
+    other = list(range(900, 965))
+    chosen = KvAware(index).pick([b, c], prompt=RoutedPrompt(other))
+    assert chosen is b or chosen is c
+    # Only a publishing member is credited at once: a burst with one prefix finds it before its events come.
+    assert held(index, other, BS, b.url) == (16 if chosen is b else 0)
+    assert held(index, other, BS, c.url) == 0
