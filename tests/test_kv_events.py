@@ -306,8 +306,9 @@ def test_kv_aware_weighs_cached_tokens_against_load_and_credits_its_choice():
     index.apply(a.url, [stored(list(range(1, 17)), None, tokens[:64])])
     prompt = RoutedPrompt(tokens)
     assert KvAware(index).pick([c, b, a], prompt=prompt) is a and prompt.cached == {a.url: 64.0}
-    a.active_tokens = 70  # busier than recomputing the whole prompt elsewhere costs
+    a.pending_tokens = 70  # more prefill queued there than recomputing the whole prompt elsewhere
     assert KvAware(index).pick([a, b, c], prompt=RoutedPrompt(tokens)) is not a
+    a.pending_tokens, a.active_tokens = 0, 1
     assert KvAware(index, overlap_weight=0).pick([a, b], prompt=RoutedPrompt(tokens)) is b  # load alone
     a.active_tokens = 0
     other = list(range(900, 965))

@@ -107,8 +107,9 @@ class Call:
     timings: dict[str, float] = field(default_factory=dict)
     timeline: Timeline | None = None  # legs' start, first byte and end, for /v1/timeline and traces
     prompt: RoutedPrompt | None = None  # token ids and their keys, for policies that route by them
-    weight: int = 0  # the tokens this request keeps an instance busy with (counted once the prompt is known)
     _counted: list[Instance] = field(default_factory=list)
+    # kv_aware's load, per instance this attempt sent a leg to: [prefill tokens until its first token, KV tokens]
+    _busy: dict[Instance, list[int]] = field(default_factory=dict)
     _upstream: list[Response] = field(default_factory=list)
     _leg_spans: dict[str, int] = field(default_factory=dict)  # tracing: the open span of each leg
 
@@ -131,7 +132,7 @@ class Call:
         self._upstream.clear()
         for instance in self._counted:
             instance.in_flight -= 1
-            instance.active_tokens -= self.weight
+            self._give_back(instance)
         self._counted.clear()
         if self.held is not None:
             instance, params = self.held
@@ -147,12 +148,37 @@ class Call:
         return instance
 
     def routed_prompt(self) -> RoutedPrompt:
-        """The prompt's token ids (tokenized once per request), and from then on its weight as load."""
+        """The prompt's token ids, tokenized once per request."""
         if self.prompt is None:
             self.prompt = self.gateway.prompt_of(self.body)
-            if self.prompt.tokens is not None and not self._counted:
-                self.weight = self.prompt.num_tokens + _max_tokens(self.body)
         return self.prompt
+
+    # -- kv_aware's load: what this request makes an instance do -----------------------------------------
+    def _take(self, instance: Instance) -> None:
+        """A leg goes to `instance`: the prompt tokens it does not hold are prefill work until the first token;
+        those and the output are KV it keeps while the leg lasts."""
+        prompt = self.prompt
+        if prompt is None or prompt.tokens is None:
+            return
+        uncached = prompt.num_tokens - int(prompt.cached.get(instance.url, 0))
+        load = [uncached, uncached + _max_tokens(self.body)]
+        instance.pending_tokens += load[0]
+        instance.active_tokens += load[1]
+        held = self._busy.setdefault(instance, [0, 0])
+        held[0] += load[0]
+        held[1] += load[1]
+
+    def _prefilled(self, instance: Instance) -> None:
+        held = self._busy.get(instance)
+        if held is not None and held[0]:
+            instance.pending_tokens -= held[0]
+            held[0] = 0
+
+    def _give_back(self, instance: Instance) -> None:
+        held = self._busy.pop(instance, None)
+        if held is not None:
+            instance.pending_tokens -= held[0]
+            instance.active_tokens -= held[1]
 
     def affinity(self) -> bytes:
         prompt = self.body.get("prompt")
@@ -215,6 +241,7 @@ class Call:
                 self.held = None
                 self.timings["decode_first_token"] = time.monotonic() - sent_at
                 self.mark("leg_first_byte", leg=leg, url=instance.url)
+                self._prefilled(instance)
             events = framer.feed(chunk)
             if events:
                 await self.write(self.rewrite_usage(events))
@@ -225,7 +252,7 @@ class Call:
 
     async def _send(self, leg: str, instance: Instance, body: dict[str, Any], header_timeout: float) -> Response:
         instance.in_flight += 1
-        instance.active_tokens += self.weight
+        self._take(instance)
         self._counted.append(instance)
         headers = [(b"content-type", b"application/json"), (b"x-request-id", self.request_id.encode()),
                    *self.leg_started(leg, instance)]
@@ -276,7 +303,7 @@ class Call:
         if instance in self._counted:
             self._counted.remove(instance)
             instance.in_flight -= 1
-            instance.active_tokens -= self.weight
+            self._give_back(instance)
 
     def _leg_error(self, leg: str, instance: Instance, exc: Exception) -> LegError:
         """The instance could not be reached, broke off or missed a deadline: that counts against it."""

@@ -36,7 +36,10 @@ class Instance:
     waiting: float = 0.0
     kv_usage: float = 0.0
     caps: Capabilities | None = None  # what it is; learned on each probe, None until it first answered
-    active_tokens: int = 0  # prompt and output tokens of the legs in flight here (kv_aware's load)
+    # kv_aware's load, the gateway's own count over the legs in flight here: prompt tokens the instance did not hold
+    # and has not prefilled yet (until a leg's first token), and the KV those legs keep (with their output).
+    pending_tokens: int = 0
+    active_tokens: int = 0
     kv_events: PublisherAddress | None = None  # where it publishes KV events, when told (vLLM has no info endpoint)
 
     @property

@@ -1,15 +1,18 @@
 """`--policy kv_aware`: route by where the prompt's prefix is cached and by load, with Dynamo's cost.
 
-    cost = w × prompt tokens not cached on the instance + tokens of the requests it is busy with
+    cost = w × prefill (tokens queued on the instance + this prompt's tokens it does not hold)
+           + active KV (tokens the instance's requests in flight hold)
 
-lowest wins (ties go round). Dynamo counts both terms in blocks of one size; here instances may use different
-block sizes (vLLM-CPU 32–128, pdserve 16), so both are counted in tokens, which changes no choice where sizes
-agree. The cached part is the longest run of the prompt's blocks from its start that the index credits to the
-instance (a device-cache copy whole, a copy in another tier at its weight); the busy part is the gateway's own
-count of the prompt and output tokens of the legs it has in flight there (`Instance.active_tokens`). `w` is
-`--kv-overlap-weight`: 0 routes by load alone. An instance whose events the gateway does not have (no publisher,
-or one it cannot reach) is scored by load alone. The chosen instance is credited with the prompt's blocks at
-once, so a burst of requests with one prefix finds it before the instance's events arrive.
+lowest wins (ties go round): Dynamo's `overlap_score_weight × potential prefill blocks + decode blocks`. Dynamo counts in blocks of one size; here instances may use different block sizes (vLLM-CPU 32–128,
+pdserve 16), so everything is counted in tokens, which changes no choice where sizes agree. The cached part is the
+longest run of the prompt's blocks from its start that the index credits to the instance (a device-cache copy
+whole, a copy in another tier at its weight). The queued and active parts are the gateway's own count over its
+legs in flight there (`Instance.pending_tokens` until a leg's first token, `Instance.active_tokens` while it
+lasts, each leg counting only the tokens the instance did not hold), so a request that shares a prefix with work
+already on an instance adds little load there. `w` is `--kv-overlap-weight`: 0 routes by load alone. An instance
+whose events the gateway does not have (no publisher, or one it cannot reach) holds nothing by the index. The
+chosen instance is credited with the prompt's blocks at once, so a burst of requests with one prefix finds it
+before the instance's events arrive.
 """
 
 from __future__ import annotations
@@ -35,11 +38,15 @@ class KvAware(Policy):
         start = next(self._tiebreak) % len(candidates)
         rotated = candidates[start:] + candidates[:start]
         if prompt is None or prompt.tokens is None:
-            return min(rotated, key=lambda i: i.active_tokens)
+            return min(rotated, key=lambda i: (i.pending_tokens + i.active_tokens, i.in_flight))
         cached = self.cached_tokens(rotated, prompt)
         n = prompt.num_tokens
         w = self.overlap_weight
-        chosen = min(rotated, key=lambda i: w * (n - cached[i.url]) + i.active_tokens)
+
+        def cost(i: Instance) -> float:
+            return w * (i.pending_tokens + n - cached[i.url]) + i.active_tokens
+
+        chosen = min(rotated, key=cost)
         prompt.cached[chosen.url] = cached[chosen.url]
         size = self.index.block_size(chosen.url)
         if size:
