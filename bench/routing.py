@@ -169,6 +169,27 @@ def run(url: str, convs: list[list[list[dict]]], salt: str, concurrency: int) ->
     return {"ttfts": ttfts, "wall": time.monotonic() - start, "errors": errors}
 
 
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds of a process's threads, summed by thread name (the router's event loop, its KV-event listener,
+    ...), from /proc."""
+    import os
+
+    out: dict[str, float] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat.rsplit(")", 1)[1].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / H.CLK_TCK
+    return out
+
+
 def hit_tokens(client: Any, urls: list[str]) -> float:
     return sum(H.scrape(client, u).get("vllm:prefix_cache_hits_total", 0.0) for u in urls)
 
@@ -247,16 +268,20 @@ def measure(args: argparse.Namespace, topology: str, model: Path, tokenizer: Any
             url, pid, stop = start_router(policy, topology, insts, model, servers, cleanup)
             for w in workloads:
                 convs = build(w, args.scale)
-                before, cpu0 = hit_tokens(client, holders), H.cpu_seconds(pid)
+                before, cpu0, threads0 = hit_tokens(client, holders), H.cpu_seconds(pid), thread_cpu(pid)
                 salt = f"S{rnd}{POLICIES.index(policy)}{WORKLOADS.index(w)}"  # short: no block all requests share
                 out = run(url, convs, salt, args.concurrency)
                 time.sleep(0.3)  # the last answers' blocks reach the metrics
                 out["hits"] = hit_tokens(client, holders) - before
-                out["cpu_us_per_req"] = (H.cpu_seconds(pid) - cpu0) / max(len(out["ttfts"]), 1) * 1e6
+                answered = max(len(out["ttfts"]), 1)
+                out["cpu_us_per_req"] = (H.cpu_seconds(pid) - cpu0) / answered * 1e6
+                out["threads_us_per_req"] = {name: round((cpu - threads0.get(name, 0.0)) / answered * 1e6)
+                                             for name, cpu in thread_cpu(pid).items() if cpu > threads0.get(name, 0.0)}
                 results[w]["runs"].setdefault(policy, []).append(out)
                 print(f"  {topology} round {rnd} {policy:24s} {w:9s} p90 {pct(out['ttfts'], 90) * 1e3:7.1f} ms "
                       f"{len(out['ttfts']) / out['wall']:5.2f} req/s hits {out['hits']:7.0f} "
-                      f"cpu {out['cpu_us_per_req']:6.0f} us/req errors {len(out['errors'])}", flush=True)
+                      f"cpu {out['cpu_us_per_req']:6.0f} us/req {out['threads_us_per_req']} errors {len(out['errors'])}",
+                      flush=True)
             stop()
     servers.stop()
     return results
