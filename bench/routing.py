@@ -370,14 +370,19 @@ def main() -> int:
     print(f"{machine}; {args.blocks} blocks of {BS} per instance, concurrency {args.concurrency}", flush=True)
     report: dict[str, Any] = {"machine": machine, "args": vars(args)}
     for topology in args.topologies.split(","):
-        results = measure(args, topology, model, tokenizer, cleanup, meter)
+        try:
+            results = measure(args, topology, model, tokenizer, cleanup, meter)
+        except Exception as exc:  # noqa: BLE001 - the other topology's figures still count
+            print(f"{topology}: FAILED: {exc!r}", flush=True)
+            report[topology] = {"error": repr(exc)}
+            continue
         table = summarize(results)
         print_table(topology, table, results)
         report[topology] = {"table": table, "bounds": {w: r["bound"] for w, r in results.items()},
                             "checks": checks(table)}
         for name, value, target, met in report[topology]["checks"]:
             print(f"  {name}: {value:.2f} (target {target}: {'met' if met else 'MISSED'})")
-    H.write_json(args.json, report)
+        H.write_json(args.json, report)
     return 0
 
 
