@@ -234,6 +234,9 @@ class Listener:
         self._unwatch(sub.dealer)  # a fresh socket: nothing of an unanswered request can arrive late
         dealer = sub.dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        # A replay sends thousands of batches at once; a ROUTER drops what a full pipe cannot take (the end marker
+        # too), so this side takes everything (the publisher's buffer bounds it).
+        dealer.setsockopt(zmq.RCVHWM, 0)
         dealer.connect(sub.address.replay_endpoint)
         self._watch(sub, dealer, "dealer")
         dealer.send_multipart((b"", start.to_bytes(8, "big")))

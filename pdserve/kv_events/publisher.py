@@ -46,6 +46,8 @@ class KVEventPublisher:
         self._pub.set_hwm(config.hwm)
         self.replay_endpoint, self._replay = (None, None) if config.replay_endpoint is None else \
             self._socket(zmq.ROUTER, config.replay_endpoint)
+        if self._replay is not None:
+            self._replay.setsockopt(zmq.SNDHWM, 0)  # a replay is bounded by buffer_steps; dropping its end hangs it
         self.batches = 0
         self.events = 0
         self.dropped = 0
