@@ -253,12 +253,22 @@ def test_duplicated_foreign_and_malformed_messages(ipc, listening, tmp_path):
         ctx.destroy(linger=0)
 
 
-def test_an_unreachable_publisher_is_never_an_error(tmp_path, listening):
+def test_an_unreachable_publisher_is_never_an_error(tmp_path, ipc, listening):
+    """A publisher nobody answers at, and an endpoint ZMQ refuses outright (a membership record carries whatever it
+    was given): neither is subscribed to as live, and the listener goes on serving the others."""
     index, listener = listening(replay_timeout_s=0.3, retry_s=0.2)
     listener.set_members({"gone": PublisherAddress(endpoint=f"ipc://{tmp_path}/nobody.pub",
-                                                   replay_endpoint=f"ipc://{tmp_path}/nobody.replay")})
+                                                   replay_endpoint=f"ipc://{tmp_path}/nobody.replay"),
+                          "bad": PublisherAddress(endpoint="tcp://no-port-here")})
     time.sleep(0.5)
     assert state(listener, "gone") == "connecting" and index.held_blocks() == {}
+    assert "bad" not in listener.snapshot()
+    publisher = KVEventPublisher(ipc("ok"), block_size=BS)
+    try:
+        listener.set_members({"ok": publisher.address(), "bad": PublisherAddress(endpoint="tcp://no-port-here")})
+        wait_for(lambda: state(listener, "ok") == "live", what="a good publisher beside a refused one")
+    finally:
+        publisher.close()
 
 
 def test_the_index_mirrors_an_engine_prefix_cache(make_llm, llama_dir, ipc, listening):
@@ -317,3 +327,27 @@ def test_kv_aware_weighs_cached_tokens_against_load_and_credits_its_choice():
     # Only a publishing member is credited at once: a burst with one prefix finds it before its events come.
     assert held(index, other, BS, b.url) == (16 if chosen is b else 0)
     assert held(index, other, BS, c.url) == 0
+
+
+def test_where_an_instance_publishes_comes_from_its_membership_record():
+    """vLLM's own `--kv-events-config` endpoint (bound on every address) is dialled at the instance's host; a flag
+    naming a publisher becomes the static record's `kv_events`; a record with no usable endpoint is scored by load."""
+    from pdserve.gateway.registry import Instance
+    from pdserve.gateway.service import GatewayConfig, _static_records
+    from pdserve.kv_events.routing import publisher_of
+    from pdserve.membership.record import KvEvents, MemberRecord, kv_events_from_vllm
+
+    def at(url: str, kv_events: KvEvents | None) -> Instance:
+        return Instance(url=url, role="both", pool=None, record=MemberRecord(url=url, role="both", kv_events=kv_events))
+
+    vllm = kv_events_from_vllm('{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+                               '"replay_endpoint": "tcp://*:5558", "topic": "kv"}')
+    assert publisher_of(at("http://10.0.0.5:8000", vllm)) == PublisherAddress(
+        endpoint="tcp://10.0.0.5:5557", replay_endpoint="tcp://10.0.0.5:5558", topic="kv")
+    assert publisher_of(at("http://10.0.0.5:8000", KvEvents(endpoint="http://not-zmq"))) is None
+    assert publisher_of(at("http://10.0.0.5:8000", None)) is None  # nothing said, nothing learnt yet
+    records = _static_records(GatewayConfig(both=["http://10.0.0.5:8000/", "http://10.0.0.6:8000"],
+                                            kv_events=["http://10.0.0.5:8000=tcp://10.0.0.5:5557"]))
+    assert [r.kv_events for r in records] == [KvEvents(endpoint="tcp://10.0.0.5:5557"), None]
+    with pytest.raises(ValueError, match="no configured instance"):
+        _static_records(GatewayConfig(both=["http://10.0.0.5:8000"], kv_events=["http://10.0.0.7:8000=tcp://h:1"]))

@@ -66,6 +66,15 @@ reset
 aggregate
 reduce
 is_empty
+# The gateway's per-role Kubernetes selectors: flags and config keys, read by name (f"{role}_selector") when the
+# gateway builds its discovery backends (pdserve/gateway/service.py).
+prefill_selector
+decode_selector
+both_selector
+encode_selector
+# Membership records carry where an instance publishes KV-cache events, verbatim, for the KV-event subscribers.
+kv_events
+replay_endpoint
 # Fields of vLLM's KV events and event batch (pdserve/kv_events/wire.py): on the wire for vLLM's decoder and other
 # consumers; the gateway's index reads only hashes, parent, tokens, block size and medium.
 lora_id

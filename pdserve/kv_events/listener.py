@@ -159,21 +159,29 @@ class Listener:
                 self.index.drop(name)
             for name, address in wanted.items():
                 if name not in self._subs:
-                    self._subs[name] = self._open(name, address)
+                    self._open(name, address)
 
-    def _open(self, member: str, address: PublisherAddress) -> _Subscription:
+    def _open(self, member: str, address: PublisherAddress) -> None:
+        """Subscribe; an endpoint ZMQ refuses (a record may carry anything) leaves the member scored by load."""
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, self.rcvhwm)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
-        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)  # before any connection
+        try:
+            sock.connect(address.endpoint)
+        except zmq.ZMQError as exc:
+            sock.disable_monitor()
+            monitor.close(linger=0)
+            sock.close(linger=0)
+            log.warning("cannot subscribe to the KV events of %s at %r (%s): scoring it by load", member,
+                        address.endpoint, exc)
+            return
         sock.subscribe(address.topic.encode())
-        sock.connect(address.endpoint)
-        sub = _Subscription(member, address, sock, monitor)
+        sub = self._subs[member] = _Subscription(member, address, sock, monitor)
         self._watch(sub, sock, "sub")
         self._watch(sub, monitor, "monitor")
         log.info("subscribed to the KV events of %s at %s", member, address.endpoint)
-        return sub
 
     def _watch(self, sub: _Subscription, sock: zmq.Socket, role: str) -> None:
         self._poller.register(sock, zmq.POLLIN)

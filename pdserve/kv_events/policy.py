@@ -18,11 +18,14 @@ before the instance's events arrive.
 from __future__ import annotations
 
 import itertools
+import logging
 
 from pdserve.gateway.policies import Policy
 from pdserve.gateway.registry import Instance
 from pdserve.kv_events.index import PrefixIndex
 from pdserve.kv_events.prompt import RoutedPrompt
+
+log = logging.getLogger(__name__)
 
 
 class KvAware(Policy):
@@ -47,6 +50,10 @@ class KvAware(Policy):
             return w * (i.pending_tokens + n - cached[i.url]) + i.active_tokens
 
         chosen = min(rotated, key=cost)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("kv_aware: %d prompt tokens to %s; %s", n, chosen.url, "; ".join(
+                f"{i.url} held {cached[i.url]:.0f} queued {i.pending_tokens} active {i.active_tokens} cost {cost(i):.0f}"
+                for i in candidates))
         prompt.cached[chosen.url] = cached[chosen.url]
         size = self.index.block_size(chosen.url)
         if size:

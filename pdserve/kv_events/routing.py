@@ -1,10 +1,11 @@
 """The gateway's KV-aware routing, assembled: the prefix index, the listener that feeds it, the prompt tokenizer,
 the `kv_aware` policy and its metrics, and the loop that keeps the subscriptions equal to the membership.
 
-Where an instance publishes comes from, in order: what it was registered with (`--kv-events URL=ENDPOINT[,REPLAY]`,
-a config entry, or `"kv_events"` in `POST /register`: vLLM serves no info endpoint), the membership record when
-the registry keeps one, and a pdserve instance's own `/v1/pdserve/info`. An instance that leaves the registry
-leaves the index at the next pass.
+Where an instance publishes comes from its membership record's `kv_events` (vLLM serves no info endpoint: the
+record is built from `--kv-events URL=ENDPOINT[,REPLAY]` or a config entry, from `"kv_events"` in `POST /register`,
+from `pdserve register --kv-events-config` or the sidecar), else from a pdserve instance's own `/v1/pdserve/info`.
+A bound endpoint in a record (vLLM's `tcp://*:5557`) is dialled at the instance's own host. An instance that leaves
+the registry leaves the index at the next pass.
 """
 
 from __future__ import annotations
@@ -12,39 +13,48 @@ from __future__ import annotations
 import asyncio
 import logging
 from typing import Any
+from urllib.parse import urlsplit
+
+import msgspec
 
 from pdserve.gateway.registry import Instance, Registry
-from pdserve.kv_events.config import PublisherAddress, parse_address
+from pdserve.kv_events.config import PublisherAddress, dial_address, parse_address
 from pdserve.kv_events.index import PrefixIndex
 from pdserve.kv_events.listener import Listener
 from pdserve.kv_events.metrics import KVIndexCollector
 from pdserve.kv_events.policy import KvAware
 from pdserve.kv_events.prompt import PromptTokenizer, RoutedPrompt, token_ids
+from pdserve.membership.record import KvEvents, normalise_url
 
 log = logging.getLogger(__name__)
 _MEMBERSHIP_S = 0.5  # how often the subscriptions are matched to the registry
 
 
 def publisher_of(instance: Instance) -> PublisherAddress | None:
-    if instance.kv_events is not None:
-        return instance.kv_events
-    record = getattr(instance, "record", None)
-    announced = getattr(record, "kv_events", None)
+    announced = instance.record.kv_events if instance.record is not None else None
     if announced is not None:
-        return PublisherAddress(endpoint=announced.endpoint, replay_endpoint=announced.replay_endpoint,
-                                topic=announced.topic or "", block_size=getattr(announced, "block_size", None))
+        host = urlsplit(instance.url).hostname or "127.0.0.1"
+        spec = dial_address(announced.endpoint, host)
+        if announced.replay_endpoint:
+            spec += "," + dial_address(announced.replay_endpoint, host)
+        try:
+            address = parse_address(spec)
+        except ValueError:  # a record carries what it was given: nothing to subscribe to, so routed by load
+            return None
+        return msgspec.structs.replace(address, topic=announced.topic)
     caps = instance.caps
     return caps.kv_events if caps is not None else None
 
 
-def parse_kv_events_flags(specs: list[str]) -> dict[str, PublisherAddress]:
-    """`URL=tcp://host:port[,tcp://host:replay_port]` entries, by instance URL."""
+def parse_kv_events_flags(specs: list[str]) -> dict[str, KvEvents]:
+    """`URL=tcp://host:port[,tcp://host:replay_port]` entries, by instance URL, as membership records carry them."""
     out = {}
     for spec in specs:
         url, sep, address = spec.partition("=")
         if not sep or not url.startswith("http"):
             raise ValueError(f"--kv-events wants INSTANCE_URL=tcp://host:port[,tcp://host:replay_port], got {spec!r}")
-        out[url.rstrip("/")] = parse_address(address)
+        parsed = parse_address(address)
+        out[normalise_url(url)] = KvEvents(endpoint=parsed.endpoint, replay_endpoint=parsed.replay_endpoint)
     return out
 
 
