@@ -64,6 +64,7 @@ FILE_GROUPS = {"vllm-nixl": ("test_vllm_fleet.py", "test_vllm_nixl.py", "test_vl
                              "test_vllm_pairing.py")}
 
 
+@pytest.hookimpl(optionalhook=True)  # a run without pytest-xdist has no such hook
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """Under `-n N --dist loadfile`: a whole file runs on one worker (its module-scoped servers start once), and
     the files of a FILE_GROUPS entry run on one worker. (pytest-xdist's own `xdist_group` marks do nothing with

@@ -20,6 +20,7 @@ from pdserve.membership.record import ROLES, MemberRecord, RecordError, normalis
 from pdserve.net.http_client import HttpClient, HttpPool, UpstreamError, UpstreamTimeout
 
 log = logging.getLogger(__name__)
+_DRAIN_HEADERS = frozenset({DRAINING_HEADER})  # the one upstream header the gateway reads: on /health probes
 
 _LOAD_METRICS = {b"vllm:num_requests_running": "running", b"vllm:num_requests_waiting": "waiting",
                  b"vllm:kv_cache_usage_perc": "kv_usage"}
@@ -156,7 +157,8 @@ class Registry:
     async def _check(self, instance: Instance) -> str:
         """One health check: "" if the instance is fit for traffic, else why not. A draining instance is fit
         (it finishes what it runs) but takes no new work: that is membership, not health."""
-        response = await instance.pool.request("GET", "/health", connect_timeout=self.health.probe_timeout_s)
+        response = await instance.pool.request("GET", "/health", connect_timeout=self.health.probe_timeout_s,
+                                               read_headers=_DRAIN_HEADERS)
         await response.read()
         draining = response.header(DRAINING_HEADER) is not None
         if draining != instance.draining:

@@ -91,6 +91,26 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
 
+class _HeaderConnection(_Connection):
+    """A one-use connection that keeps the answer's headers named in `wanted`: a class of its own because
+    httptools calls `on_header` on any protocol that defines it, and the proxy path reads no header at all."""
+
+    def __init__(self, pool: HttpPool, wanted: frozenset[bytes]) -> None:
+        super().__init__(pool)
+        self.wanted = wanted
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        name = name.lower()
+        if self.response is not None and name in self.wanted:
+            self.response.header_values[name] = value
+
+    def on_message_complete(self) -> None:
+        r, self.response = self.response, None
+        if r is not None:
+            r._finish()
+        self.close()  # never pooled: a proxied request must not pay for header callbacks
+
+
 class Response:
     """An upstream answer: status as soon as the head arrived, the body as it arrives.
 
@@ -107,6 +127,10 @@ class Response:
         self._waiter: asyncio.Future | None = None  # a reader waiting for the head or for more body
         self._done = False
         self._exc: Exception | None = None
+        self.header_values: dict[bytes, bytes] = {}  # only the headers a request asked for (`read_headers`)
+
+    def header(self, name: bytes) -> bytes | None:
+        return self.header_values.get(name.lower())
 
     def _wake(self) -> None:
         waiter, self._waiter = self._waiter, None
@@ -208,8 +232,9 @@ class HttpPool:
         self.host_header = f"{host}:{port}".encode()
         self.headers = headers or []  # sent with every request (the upstream's credentials)
 
-    async def _connect(self, timeout: float, reuse: bool = True) -> _Connection:
-        while reuse and self._idle:
+    async def _connect(self, timeout: float, reuse: bool = True,
+                       read_headers: frozenset[bytes] = frozenset()) -> _Connection:
+        while reuse and not read_headers and self._idle:
             conn = self._idle.pop()
             if not conn.closed:
                 conn.reused = True
@@ -217,7 +242,9 @@ class HttpPool:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(timeout):
-                _, conn = await loop.create_connection(lambda: _Connection(self), self.host, self.port)
+                _, conn = await loop.create_connection(
+                    lambda: _HeaderConnection(self, read_headers) if read_headers else _Connection(self),
+                    self.host, self.port)
         except TimeoutError:
             raise UpstreamTimeout("connecting", timeout) from None
         except OSError as exc:
@@ -232,8 +259,12 @@ class HttpPool:
 
     async def request(self, method: str, path: str, body: bytes = b"",
                       headers: list[tuple[bytes, bytes]] | None = None, *, connect_timeout: float = 5.0,
-                      header_timeout: float | None = None) -> Response:
+                      header_timeout: float | None = None,
+                      read_headers: frozenset[bytes] = frozenset()) -> Response:
         """Send a request and wait for the response's status and headers (the body streams on).
+
+        The answer's headers are not kept, except those named (lower case) in `read_headers`: such a request
+        goes on a connection of its own, closed after it.
 
         A kept-alive connection the upstream closed just before this request (a server closes after an answer
         it could not finish cleanly) fails without a byte back: the request is sent once more on a fresh
@@ -245,13 +276,14 @@ class HttpPool:
             head += [name, b": ", value, b"\r\n"]
         head.append(b"\r\n")
         message = b"".join(head) + body
-        conn = await self._connect(connect_timeout)
+        conn = await self._connect(connect_timeout, read_headers=read_headers)
         try:
             return await self._exchange(conn, message, header_timeout)
         except UpstreamError:
             if not conn.reused or conn.received:
                 raise
-        return await self._exchange(await self._connect(connect_timeout, reuse=False), message, header_timeout)
+        conn = await self._connect(connect_timeout, reuse=False, read_headers=read_headers)
+        return await self._exchange(conn, message, header_timeout)
 
     async def _exchange(self, conn: _Connection, message: bytes, header_timeout: float | None) -> Response:
         response = Response(conn)
