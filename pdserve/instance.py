@@ -14,6 +14,7 @@ from pdserve.config import EngineConfig
 from pdserve.ec_transfer.factory import build_ec_connector
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.kv_events.block_events import StoreEvents
 from pdserve.kv_events.config import parse_config
 from pdserve.kv_events.publisher import KVEventPublisher
 from pdserve.kv_transfer.decode_first import DecodeFirstClient
@@ -65,8 +66,13 @@ class Instance:
 
     async def start(self, advertised_host: str = "127.0.0.1") -> FastAPI:
         if self.kv_events_config.enabled and self.config.role != "encode":
-            self.kv_events = KVEventPublisher(self.kv_events_config, advertised_host, self.config.block_size)
+            tier = self.connectors.store if self.connectors is not None else None
+            self.kv_events = KVEventPublisher(self.kv_events_config, advertised_host, self.config.block_size,
+                                              tier.identity if tier is not None else None)
             self.engine.publish_kv_events(self.kv_events)  # before the engine thread runs a step
+            if tier is not None:  # what the shared store took goes out as "STORAGE" blocks
+                tier.on_stored.append(StoreEvents(self.kv_events, tier.namespace.block_size,
+                                                  tier.namespace.root()).stored)
         self.async_engine.start()
         bundle = self.connectors
         if bundle is not None:

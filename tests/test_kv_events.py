@@ -104,6 +104,30 @@ def test_copies_are_counted_and_tiers_credited_by_weight():
     assert held(index, tokens, BS, "a") == 1
 
 
+def test_a_shared_stores_blocks_are_credited_to_its_readers_and_outlive_their_writer():
+    """"STORAGE" blocks of an instance that announced a store belong to the store: every reader of that store is
+    credited at the store weight (its own device copy counts whole), an instance of no store or another store
+    gets nothing, the writer's reset or departure keeps them, and the last reader's departure drops them."""
+    index = PrefixIndex(offload_weight=0.75)
+    tokens = list(range(12))
+    for member, store in (("a", "redis://s:1/0#ns"), ("b", "redis://s:1/0#ns"), ("c", None), ("d", "redis://t:1/0#ns")):
+        index.join(member, BS, store)
+    index.apply("a", [stored([7, 8], None, tokens[:8], medium="STORAGE"), stored([9], 8, tokens[8:], medium="STORAGE"),
+                      stored([1], None, tokens[:4])])
+    assert {m: held(index, tokens, BS, m) for m in "abcd"} == {"a": 1 + 2 * 0.75, "b": 3 * 0.75, "c": 0, "d": 0}
+    assert index.held_blocks()["store:redis://s:1/0#ns"] == 3
+    index.apply("b", [stored([5], None, tokens[:4])])  # b's own device copy of block 0 counts whole
+    assert held(index, tokens, BS, "b") == 1 + 2 * 0.75
+    index.apply("a", [AllBlocksCleared()])
+    assert held(index, tokens, BS, "a") == 3 * 0.75
+    index.drop("a")
+    assert held(index, tokens, BS, "b") == 1 + 2 * 0.75
+    index.apply("c", [stored([4], None, tokens[:4], medium="STORAGE")])  # no store announced: a tier of c's own
+    assert held(index, tokens, BS, "c") == 0.75
+    index.drop("b")
+    assert "store:redis://s:1/0#ns" not in index.held_blocks() and index.size() == 1
+
+
 def test_memory_is_bounded_by_an_lru_and_speculative_credits_expire():
     index = PrefixIndex(capacity=6, speculative_ttl_s=0.2)
     for n in range(4):

@@ -83,6 +83,9 @@ class PublisherAddress(msgspec.Struct, frozen=True, kw_only=True):
     replay_endpoint: str | None = None
     topic: str = ""
     block_size: int | None = None  # vLLM's events name it too; a pdserve instance says it here as well
+    # The shared KV store its "STORAGE" events name (URL and key namespace): every instance that says the same
+    # reads those blocks too. None: such events are a tier of the instance's own.
+    store: str | None = None
 
 
 def parse_address(spec: str) -> PublisherAddress:

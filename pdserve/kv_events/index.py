@@ -6,7 +6,15 @@ size; the engine's own hash is kept per instance only to apply its removals and 
 
 Each (instance, engine hash) entry counts its copies per tier (an engine may hold two blocks with one hash and
 remove one of them; a store may hold a block the device cache evicted): a device-cache copy credits a whole block,
-any other medium (an offload tier, a shared store) `offload_weight` of one. The entries live in one LRU bounded by
+any other medium (an offload tier, a shared store) `offload_weight` of one.
+
+A shared store is a member of its own, `store:<identity>`: an instance that announced a store (its publisher
+address's `store`) has its "STORAGE" blocks indexed under the store's entry, chained by the store's own hashes,
+and every instance that announced the same store is credited with them at `offload_weight` (a block it holds
+itself counts as it would alone, when that is more). The store's entries outlive the instance that wrote them (it
+may restart, clear its cache or leave: the store keeps the blocks) and go when no instance reads the store any
+more, or by the LRU bound: a store evicts and expires without events, so an entry it lost stays credited until
+then (a routing miss at worst: the instance prefills what it does not find). The entries live in one LRU bounded by
 `capacity`; the oldest go first, and are counted. Speculative credits (blocks the gateway just routed a prompt to,
 before the instance's events say so) live apart, for `speculative_ttl_s` or until an event confirms them.
 Every method takes the index's lock: the listener thread writes while the event loop scores.
@@ -23,12 +31,13 @@ from dataclasses import dataclass, field
 
 from xxhash import xxh3_64_intdigest
 
-from pdserve.kv_events.wire import MEDIUM_DEVICE, AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, Event, \
-    engine_key
+from pdserve.kv_events.wire import MEDIUM_DEVICE, MEDIUM_STORAGE, AllBlocksCleared, BlockRemoved, BlockStored, \
+    EngineHash, Event, engine_key
 
 _U64 = (1 << 64) - 1
 
 ROOT_KEY = 1337  # the chain's seed (Dynamo seeds its block hashes with it too)
+STORE_PREFIX = "store:"  # a shared store's member name: the prefix, then the identity its instances announced
 
 
 def content_keys(token_ids: list[int] | array, block_size: int, limit: int | None = None) -> list[int]:
@@ -58,6 +67,7 @@ class _Member:
     blocks: dict[EngineHash, _Entry] = field(default_factory=dict)
     block_size: int = 0  # of its latest BlockStored: what its prompts are scored in
     speculative: dict[tuple[int, int], float] = field(default_factory=dict)  # (block size, key) -> expiry
+    store: str | None = None  # the member name of the shared store it reads and writes, if it announced one
 
 
 @dataclass
@@ -86,22 +96,29 @@ class PrefixIndex:
     def apply(self, member: str, events: Iterable[Event]) -> None:
         with self._lock:
             state = self._members.setdefault(member, _Member())
+            store = self._members.setdefault(state.store, _Member()) if state.store is not None else None
             for event in events:
                 name = type(event).__name__
                 self.stats.events[name] = self.stats.events.get(name, 0) + 1
-                if isinstance(event, BlockStored):
-                    self._stored(member, state, event)
-                elif isinstance(event, BlockRemoved):
-                    self._removed(member, state, event.block_hashes, event.medium)
-                elif isinstance(event, AllBlocksCleared):
+                if isinstance(event, AllBlocksCleared):  # the engine's cache; a store it writes keeps its blocks
                     self._clear(member, state)
+                    continue
+                to_store = store is not None and event.medium == MEDIUM_STORAGE
+                who, where = (state.store, store) if to_store else (member, state)
+                if isinstance(event, BlockStored):
+                    self._stored(who, where, event)
+                elif isinstance(event, BlockRemoved):
+                    self._removed(who, where, event.block_hashes, event.medium)
 
-    def join(self, member: str, block_size: int | None = None) -> None:
-        """`member`'s events are flowing: score it (before its first event, by the block size it announced)."""
+    def join(self, member: str, block_size: int | None = None, store: str | None = None) -> None:
+        """`member`'s events are flowing: score it (before its first event, by the block size it announced), and
+        credit it with what the shared `store` it announced holds."""
         with self._lock:
             state = self._members.setdefault(member, _Member())
             if block_size and not state.block_size:
                 state.block_size = block_size
+            if store is not None:
+                state.store = STORE_PREFIX + store
 
     def clear(self, member: str) -> None:
         """Forget what `member` holds (its sequence restarted, events were lost, it stopped publishing)."""
@@ -111,11 +128,16 @@ class PrefixIndex:
                 self._clear(member, state)
 
     def drop(self, member: str) -> None:
-        """`member` left: forget it entirely."""
+        """`member` left: forget it entirely, and its store once no other member reads it."""
         with self._lock:
             state = self._members.pop(member, None)
-            if state is not None:
-                self._clear(member, state)
+            if state is None:
+                return
+            self._clear(member, state)
+            if state.store is not None and all(s.store != state.store for s in self._members.values()):
+                store = self._members.pop(state.store, None)
+                if store is not None:
+                    self._clear(state.store, store)
 
     def _stored(self, member: str, state: _Member, event: BlockStored) -> None:
         bs = event.block_size
@@ -233,11 +255,13 @@ class PrefixIndex:
         return state.block_size if state is not None else 0
 
     def overlap_blocks(self, keys: list[int], block_size: int, members: list[str]) -> dict[str, float]:
-        """For each member, its credited blocks over the longest run of `keys` from the start it holds."""
+        """For each member, its credited blocks over the longest run of `keys` from the start it holds (itself,
+        or in the store it reads)."""
         credit = dict.fromkeys(members, 0.0)
         alive = set(members)
         now = time.monotonic()
         with self._lock:
+            stores = {m: s.store for m in members if (s := self._members.get(m)) is not None and s.store is not None}
             holders_by_key = self._holders.get(block_size, {})
             guesses_by_key = self._speculative.get(block_size, {})
             for key in keys:
@@ -247,6 +271,10 @@ class PrefixIndex:
                     weight = holders.get(member)
                     if weight is None and guesses.get(member, 0.0) > now:
                         weight = 1.0
+                    if stores and (weight is None or weight < 1.0):
+                        stored = holders.get(stores.get(member))
+                        if stored is not None and (weight is None or stored > weight):
+                            weight = stored
                     if weight is None:
                         alive.discard(member)
                     else:

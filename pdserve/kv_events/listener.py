@@ -235,7 +235,7 @@ class Listener:
         if clear:
             self.index.clear(sub.member)
             sub.next_seq = None
-        self.index.join(sub.member, sub.address.block_size)
+        self.index.join(sub.member, sub.address.block_size, sub.address.store)
         if sub.address.replay_endpoint is None:
             sub.state, sub.deadline = "live", 0.0
             return

@@ -1,7 +1,7 @@
 """An instance's KV-event publisher, on vLLM's wire: ZMQ PUB multipart `[topic, seq, payload]` and a ROUTER that
 replays buffered batches.
 
-One publisher per instance. Event sources (the block pool; later others, such as a KV store) `record` events as
+One publisher per instance. Event sources (the block pool, the KV store tier) `record` events as
 they happen; the engine calls `end_step` after each step, which closes the step's events into one batch and puts
 it on a queue: the step never waits for a socket. A thread drains the queue: it numbers each batch (an 8-byte
 big-endian counter from 0, restarting with the process, which is how subscribers tell a restart), sends it and
@@ -32,10 +32,12 @@ _STOP = None
 
 
 class KVEventPublisher:
-    def __init__(self, config: KVEventsConfig, host: str = "127.0.0.1", block_size: int | None = None) -> None:
+    def __init__(self, config: KVEventsConfig, host: str = "127.0.0.1", block_size: int | None = None,
+                 store: str | None = None) -> None:
         self.config = config
         self.host = host
         self.block_size = block_size
+        self.store = store  # the shared store its "STORAGE" events name, if the instance has one
         self.topic = config.topic.encode()
         self._pending: list[Event] = []
         self._pending_lock = threading.Lock()  # sources on other threads may record while a step ends
@@ -72,7 +74,7 @@ class KVEventPublisher:
         """Where a subscriber dials this publisher (a wildcard bind becomes the advertised host)."""
         replay = self.replay_endpoint and dial_address(self.replay_endpoint, self.host)
         return PublisherAddress(endpoint=dial_address(self.endpoint, self.host), replay_endpoint=replay,
-                                topic=self.config.topic, block_size=self.block_size)
+                                topic=self.config.topic, block_size=self.block_size, store=self.store)
 
     # -- sources (any thread) ---------------------------------------------------------------------------
     def record(self, event: Event) -> None:

