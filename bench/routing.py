@@ -34,11 +34,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import subprocess
 import sys
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,36 +55,55 @@ POLICIES = (*PDSERVE_POLICIES, "vllm-router:cache_aware")
 WORKLOADS = ("shared", "multiturn", "unique")
 BS = 16
 MAX_TOKENS = 8
+MAX_MODEL_LEN = 8192
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa quebec "
          "romeo sierra tango uniform victor whiskey xray yankee zulu amber basalt cedar dune ember fjord granite "
          "harbor island jasper kelp lagoon meadow nectar orchid prairie quartz reef summit tundra valley willow").split()
 
 
 # ----------------------------------------------------------------------------- workloads
+@dataclass(frozen=True)
+class Shape:
+    """Workload sizes in words (this tokenizer makes about 2.9 tokens of one; the run prints the token counts)."""
+
+    groups: int = 12  # shared: system prompts
+    system_words: int = 140
+    question_words: int = 12
+    shared_requests: int = 96
+    conversations: int = 12  # multiturn
+    turns: int = 4
+    first_words: int = 100
+    answer_words: int = 10
+    user_words: int = 20
+    unique_requests: int = 64
+    unique_words: int = 140
+
+
 def words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
-def build(workload: str, scale: float, seed: int = 7) -> list[list[dict]]:
+def build(workload: str, shape: Shape, seed: int = 7) -> list[list[list[dict]]]:
     """Conversations: each a list of turns (message lists); a turn goes out after the one before it."""
     rng = random.Random(seed)
     if workload == "shared":
-        systems = [words(rng, 140) for _ in range(12)]
-        asks = [[{"role": "system", "content": systems[rng.randrange(12)]},
-                  {"role": "user", "content": f"Question {n}: {words(rng, 12)}?"}] for n in range(int(96 * scale))]
-        return [[ask] for ask in asks]
+        systems = [words(rng, shape.system_words) for _ in range(shape.groups)]
+        return [[[{"role": "system", "content": systems[rng.randrange(shape.groups)]},
+                  {"role": "user", "content": f"Question {n}: {words(rng, shape.question_words)}?"}]]
+                for n in range(shape.shared_requests)]
     if workload == "multiturn":
         convs = []
-        for c in range(int(12 * scale)):
-            history = [{"role": "user", "content": f"Conversation {c}. {words(rng, 100)}"}]
+        for c in range(shape.conversations):
+            history = [{"role": "user", "content": f"Conversation {c}. {words(rng, shape.first_words)}"}]
             turns = []
-            for t in range(4):
+            for t in range(shape.turns):
                 turns.append(list(history))
-                history += [{"role": "assistant", "content": words(rng, 10)},
-                            {"role": "user", "content": f"Turn {t + 1}: {words(rng, 20)}"}]
+                history += [{"role": "assistant", "content": words(rng, shape.answer_words)},
+                            {"role": "user", "content": f"Turn {t + 1}: {words(rng, shape.user_words)}"}]
             convs.append(turns)
         return convs
-    return [[[{"role": "user", "content": f"Unique {n}. {words(rng, 140)}"}]] for n in range(int(64 * scale))]
+    return [[[{"role": "user", "content": f"Unique {n}. {words(rng, shape.unique_words)}"}]]
+            for n in range(shape.unique_requests)]
 
 
 def salted(turn: list[dict], salt: str) -> list[dict]:
@@ -96,8 +117,9 @@ def order(convs: list[list[list[dict]]], seed: int = 11) -> list[int]:
 
 
 # ----------------------------------------------------------------------------- the offline bound
-def offline_bound(token_lists: list[list[int]], instances: int, blocks: int) -> int:
-    """Hit tokens of a router that knows every cache exactly (see the module's docstring)."""
+def offline_bound(token_lists: list[list[int]], instances: int, blocks: int, output_tokens: int) -> int:
+    """Hit tokens of a router that knows every cache exactly, on requests in the order they were sent (see the
+    module's docstring); `output_tokens`: what each request adds to its instance's cache after its prompt."""
     from pdserve.kv_events.index import content_keys
 
     caches = [OrderedDict() for _ in range(instances)]
@@ -119,7 +141,7 @@ def offline_bound(token_lists: list[list[int]], instances: int, blocks: int) -> 
         hits_total += hits(caches[best]) * BS
         used[best] += len(tokens)
         cache = caches[best]
-        for key in keys + [("out", n, j) for j in range((len(tokens) + MAX_TOKENS) // BS - len(keys))]:
+        for key in keys + [("out", n, j) for j in range((len(tokens) + output_tokens) // BS - len(keys))]:
             cache[key] = None
             cache.move_to_end(key)
             while len(cache) > blocks:
@@ -128,16 +150,37 @@ def offline_bound(token_lists: list[list[int]], instances: int, blocks: int) -> 
 
 
 # ----------------------------------------------------------------------------- one run
+def stream(http: Any, url: str, body: dict) -> tuple[float, int]:
+    """(monotonic time of the first token, prompt tokens the serving instance found cached) of one streamed chat."""
+    first, cached = None, -1
+    for t, data in H.sse_data(http, url, body):
+        chunk = json.loads(data)
+        if "choices" not in chunk:
+            raise RuntimeError(f"{url}: error in stream: {data[:500]}")
+        if first is None and any((c.get("delta") or {}).get("content") or c.get("finish_reason")
+                                 for c in chunk["choices"]):
+            first = t
+        usage = chunk.get("usage")
+        if usage:
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", -1)
+    if first is None:
+        raise RuntimeError(f"{url}: the stream had no token")
+    return first, cached
+
+
 def run(url: str, convs: list[list[list[dict]]], salt: str, concurrency: int) -> dict[str, Any]:
-    """Send every turn (a conversation's turns in order) with `concurrency` clients; TTFTs and wall time."""
+    """Send every turn (a conversation's turns in order) with `concurrency` clients: TTFTs, the prompt tokens each
+    request found cached (the instances' own count, -1 where not said), wall time, and the order sent."""
     pending = [(c, 0) for c in order(convs)]
     lock = threading.Condition()
     in_flight = [0]
     ttfts: list[float] = []
+    cached: list[int] = []
+    sent_order: list[tuple[int, int]] = []
     errors: list[str] = []
 
     def client() -> None:
-        http = H.http_client(300)
+        http = H.http_client(600)
         while True:
             with lock:
                 while not pending and in_flight[0]:
@@ -145,13 +188,15 @@ def run(url: str, convs: list[list[list[dict]]], salt: str, concurrency: int) ->
                 if not pending:
                     return
                 c, t = pending.pop(0)
+                sent_order.append((c, t))
                 in_flight[0] += 1
             body = {"model": "m", "messages": salted(convs[c][t], salt), "max_tokens": MAX_TOKENS, "temperature": 0,
-                    "ignore_eos": True, "stream": True}
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
             sent = time.monotonic()
             try:
-                first, _ = H.stream_first(http, url + "/v1/chat/completions", body)
+                first, hit = stream(http, url + "/v1/chat/completions", body)
                 ttfts.append(first - sent)
+                cached.append(hit)
             except Exception as exc:  # noqa: BLE001 - counted and shown
                 errors.append(str(exc)[:200])
             with lock:
@@ -166,7 +211,8 @@ def run(url: str, convs: list[list[list[dict]]], salt: str, concurrency: int) ->
         th.start()
     for th in threads:
         th.join()
-    return {"ttfts": ttfts, "wall": time.monotonic() - start, "errors": errors}
+    return {"ttfts": ttfts, "cached": cached, "wall": time.monotonic() - start, "errors": errors,
+            "order": sent_order}
 
 
 def thread_cpu(pid: int) -> dict[str, float]:
@@ -196,8 +242,8 @@ def hit_tokens(client: Any, urls: list[str]) -> float:
 
 # ----------------------------------------------------------------------------- routers
 def start_router(policy: str, topology: str, insts: dict[str, Any], model: Path, servers: H.Servers,
-                 cleanup: H.Cleanup) -> tuple[str, int, Any]:
-    """(url, pid whose process tree is the router, a stopper)."""
+                 cleanup: H.Cleanup, explain: bool = False) -> tuple[str, int, Any, Path | None]:
+    """(url, pid whose process tree is the router, a stopper, the log kv_aware explains its picks in)."""
     colocated = topology == "colocated"
     if policy.startswith("vllm-router"):
         port = H.free_port()
@@ -212,15 +258,41 @@ def start_router(policy: str, topology: str, insts: dict[str, Any], model: Path,
         url = f"http://127.0.0.1:{port}"
         cleanup.add(lambda: G.Proc("vllm-router", proc, url, Path("/tmp")).stop())
         wait_healthy(url, proc, 90)
-        return url, proc.pid, lambda: G.Proc("vllm-router", proc, url, Path("/tmp")).stop()
+        return url, proc.pid, lambda: G.Proc("vllm-router", proc, url, Path("/tmp")).stop(), None
     members = (["--protocol", "colocated", "--both", *[i.url for i in insts.values()]] if colocated else
                ["--protocol", "pull", "--prefill", insts["P1"].url, insts["P2"].url, "--decode", insts["D1"].url,
                 insts["D2"].url])
+    explained = explain and policy == "kv_aware"
     gw = servers.gateway(f"gw-{policy}", *members, "--policy", policy, "--tokenizer", str(model),
-                         "--disable-log-requests")
+                         "--disable-log-requests", log_level="debug" if explained else "warning")
     if policy == "kv_aware":
         wait_live(gw.url, len(insts))
-    return gw.url, gw.pid, gw.stop
+    return gw.url, gw.pid, gw.stop, gw.log_path if explained else None
+
+
+_PICK = re.compile(r"kv_aware: \d+ prompt tokens to (\S+); (.*)$")
+_CANDIDATE = re.compile(r"(\S+) held (\d+) queued \d+ active \d+ cost")
+
+
+def explain_picks(lines: list[str]) -> dict[str, int]:
+    """kv_aware's picks, from its debug lines: the prompt tokens the index credited the chosen instance with, the
+    picks where the index credited another candidate with more (load outweighed the cache) and the tokens those
+    forwent, and the picks where no candidate was credited with anything."""
+    out = {"picks": 0, "credited": 0, "overridden": 0, "forgone": 0, "cold": 0}
+    for line in lines:
+        match = _PICK.search(line)
+        if match is None:
+            continue
+        held = {url: int(tokens) for url, tokens in _CANDIDATE.findall(match.group(2))}
+        chosen, best = held.get(match.group(1), 0), max(held.values(), default=0)
+        out["picks"] += 1
+        out["credited"] += chosen
+        if best == 0:
+            out["cold"] += 1
+        elif best > chosen:
+            out["overridden"] += 1
+            out["forgone"] += best - chosen
+    return out
 
 
 def wait_live(url: str, count: int, timeout: float = 60) -> None:
@@ -236,55 +308,78 @@ def wait_live(url: str, count: int, timeout: float = 60) -> None:
 
 
 # ----------------------------------------------------------------------------- the whole run
-def start_instances(topology: str, model: Path, blocks: int, servers: H.Servers) -> dict[str, Any]:
+def start_instances(topology: str, model: Path, args: argparse.Namespace, servers: H.Servers) -> dict[str, Any]:
     events = json.dumps({"enable_kv_cache_events": True, "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"})
     roles = {"colocated": {f"C{n}": None for n in range(1, 5)},
              "pull": {"P1": "kv_producer", "P2": "kv_producer", "D1": "kv_consumer", "D2": "kv_consumer"}}[topology]
     insts = {}
     for name, role in roles.items():
         extra = ["--kv-transfer-config", H.kv_config(role)] if role else []
-        insts[name] = servers.instance(name, model, "--max-model-len", "1024", "--num-kv-blocks", str(blocks),
-                                       "--threads", "1", "--kv-events-config", events, "--served-model-name", "m",
-                                       "--disable-log-requests", *extra)
+        insts[name] = servers.instance(name, model, "--max-model-len", str(min(MAX_MODEL_LEN, args.blocks * BS)),
+                                       "--num-kv-blocks", str(args.blocks), "--threads", "1", "--kv-events-config",
+                                       events, "--served-model-name", "m", "--disable-log-requests", *extra)
     return insts
 
 
 def measure(args: argparse.Namespace, topology: str, model: Path, tokenizer: Any, cleanup: H.Cleanup,
             meter: H.CpuMeter) -> dict[str, Any]:
     servers = H.Servers(cleanup, meter)
-    insts = start_instances(topology, model, args.blocks, servers)
-    # What computes prompts (and so holds their blocks): every instance colocated, the prefill ones in pull.
+    insts = start_instances(topology, model, args, servers)
+    # What computes prompts (and so holds their blocks): every instance colocated, the prefill ones in pull (which
+    # add one output token to their cache, not the answer).
     holders = [i.url for n, i in insts.items() if not n.startswith("D")]
+    output_tokens = MAX_TOKENS if topology == "colocated" else 1
     client = H.http_client(60)
     workloads = [w for w in args.workloads.split(",") if topology == "colocated" or w != "unique"]
     results: dict[str, Any] = {}
     for w in workloads:
-        convs = build(w, args.scale)
-        tokens = [tokenizer.encode_chat(salted(turn, "S000")) for c in order(convs) for turn in convs[c]]
-        results[w] = {"bound": offline_bound(tokens, len(holders), args.blocks), "runs": {},
-                      "prompt_tokens": sum(map(len, tokens)), "requests": len(tokens)}
+        convs = build(w, args.shape)
+        tokens = [[tokenizer.encode_chat(salted(turn, "S000")) for turn in conv] for conv in convs]
+        flat = [t for conv in tokens for t in conv]
+        results[w] = {"tokens": tokens, "runs": {}, "prompt_tokens": sum(map(len, flat)), "requests": len(flat),
+                      "mean_prompt_tokens": sum(map(len, flat)) / len(flat)}
+        print(f"  {w}: {len(flat)} requests, prompts of {min(map(len, flat))}-{max(map(len, flat))} tokens "
+              f"(mean {results[w]['mean_prompt_tokens']:.0f}), {sum(map(len, flat))} in all", flush=True)
     for rnd, policies in H.rotations(args.policies.split(","), args.rounds):
         for policy in policies:
-            url, pid, stop = start_router(policy, topology, insts, model, servers, cleanup)
+            url, pid, stop, log_path = start_router(policy, topology, insts, model, servers, cleanup, args.explain)
             for w in workloads:
-                convs = build(w, args.scale)
-                before, cpu0, threads0 = hit_tokens(client, holders), H.cpu_seconds(pid), thread_cpu(pid)
-                salt = f"S{rnd}{POLICIES.index(policy)}{WORKLOADS.index(w)}"  # short: no block all requests share
-                out = run(url, convs, salt, args.concurrency)
-                time.sleep(0.3)  # the last answers' blocks reach the metrics
-                out["hits"] = hit_tokens(client, holders) - before
-                answered = max(len(out["ttfts"]), 1)
-                out["cpu_us_per_req"] = (H.cpu_seconds(pid) - cpu0) / answered * 1e6
-                out["threads_us_per_req"] = {name: round((cpu - threads0.get(name, 0.0)) / answered * 1e6)
-                                             for name, cpu in thread_cpu(pid).items() if cpu > threads0.get(name, 0.0)}
+                logged = log_path.stat().st_size if log_path else 0
+                out = measure_one(url, pid, holders, client, build(w, args.shape), args,
+                                  f"S{rnd}{POLICIES.index(policy)}{WORKLOADS.index(w)}")
+                if log_path:
+                    with log_path.open(errors="replace") as log:
+                        log.seek(logged)
+                        out["explain"] = explain_picks(log.readlines())
+                    print(f"  explain {w}: {out['explain']}; the instances hit {out['hits']:.0f}", flush=True)
+                out["bound"] = offline_bound([results[w]["tokens"][c][t] for c, t in out.pop("order")], len(holders),
+                                             args.blocks, output_tokens)
                 results[w]["runs"].setdefault(policy, []).append(out)
-                print(f"  {topology} round {rnd} {policy:24s} {w:9s} p90 {pct(out['ttfts'], 90) * 1e3:7.1f} ms "
-                      f"{len(out['ttfts']) / out['wall']:5.2f} req/s hits {out['hits']:7.0f} "
-                      f"cpu {out['cpu_us_per_req']:6.0f} us/req {out['threads_us_per_req']} errors {len(out['errors'])}",
-                      flush=True)
+                misses = sum(1 for hit in out["cached"] if 0 <= hit < results[w]["mean_prompt_tokens"] / 2)
+                print(f"  {topology} round {rnd} {policy:24s} {w:9s} p50 {pct(out['ttfts'], 50) * 1e3:7.1f} p90 "
+                      f"{pct(out['ttfts'], 90) * 1e3:7.1f} ms {len(out['ttfts']) / out['wall']:5.2f} req/s hits "
+                      f"{out['hits']:7.0f} ({out['hits'] / max(out['bound'], 1):.2f} of {out['bound']}) "
+                      f"mostly-missed {misses} cpu {out['cpu_us_per_req']:6.0f} us/req {out['threads_us_per_req']} "
+                      f"errors {len(out['errors'])}", flush=True)
             stop()
     servers.stop()
+    for data in results.values():
+        del data["tokens"]
     return results
+
+
+def measure_one(url: str, pid: int, holders: list[str], client: Any, convs: list, args: argparse.Namespace,
+                salt: str) -> dict[str, Any]:
+    """One workload through one router: the run, the holders' prefix-cache hits and the router's CPU."""
+    before, cpu0, threads0 = hit_tokens(client, holders), H.cpu_seconds(pid), thread_cpu(pid)
+    out = run(url, convs, salt, args.concurrency)
+    time.sleep(0.3)  # the last answers' blocks reach the metrics
+    out["hits"] = hit_tokens(client, holders) - before
+    answered = max(len(out["ttfts"]), 1)
+    out["cpu_us_per_req"] = (H.cpu_seconds(pid) - cpu0) / answered * 1e6
+    out["threads_us_per_req"] = {name: round((cpu - threads0.get(name, 0.0)) / answered * 1e6)
+                                 for name, cpu in thread_cpu(pid).items() if cpu > threads0.get(name, 0.0)}
+    return out
 
 
 def pct(values: list[float], q: float) -> float:
@@ -302,8 +397,9 @@ def summarize(results: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]
             table.setdefault(w, {})[policy] = {
                 "p50_ms": pct(ttfts, 50) * 1e3, "p90_ms": pct(ttfts, 90) * 1e3,
                 "req_s": H.median([len(r["ttfts"]) / r["wall"] for r in runs]),
-                "hits": H.median([r["hits"] for r in runs]), "hit_frac": H.median([r["hits"] for r in runs]) /
-                max(data["bound"], 1), "cpu_us": H.median([r["cpu_us_per_req"] for r in runs]),
+                "hits": H.median([r["hits"] for r in runs]), "bound": H.median([r["bound"] for r in runs]),
+                "hit_frac": H.median([r["hits"] / max(r["bound"], 1) for r in runs]),
+                "cpu_us": H.median([r["cpu_us_per_req"] for r in runs]),
                 "errors": sum(len(r["errors"]) for r in runs)}
     return table
 
@@ -335,15 +431,15 @@ def checks(table: dict[str, dict[str, dict[str, float]]]) -> list[tuple[str, flo
     return out
 
 
-def print_table(topology: str, table: dict[str, dict[str, dict[str, float]]], results: dict[str, Any]) -> None:
+def print_table(topology: str, table: dict[str, dict[str, dict[str, float]]]) -> None:
     print(f"\n{topology}")
-    print("| workload | policy | TTFT p50 ms | TTFT p90 ms | req/s | hit tokens | of bound | router CPU us/req |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("| workload | policy | TTFT p50 ms | TTFT p90 ms | req/s | hit tokens | bound | of bound | router CPU us/req |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for w, row in table.items():
         for policy, s in row.items():
             print(f"| {w} | {policy} | {s['p50_ms']:.0f} | {s['p90_ms']:.0f} | {s['req_s']:.2f} | {s['hits']:.0f} | "
-                  f"{s['hit_frac']:.2f} | {s['cpu_us']:.0f} |" + (f" errors {s['errors']}" if s["errors"] else ""))
-        print(f"| {w} | offline bound | | | | {results[w]['bound']} | 1.00 | |")
+                  f"{s['bound']:.0f} | {s['hit_frac']:.2f} | {s['cpu_us']:.0f} |"
+                  + (f" errors {s['errors']}" if s["errors"] else ""))
 
 
 def main() -> int:
@@ -355,20 +451,27 @@ def main() -> int:
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--blocks", type=int, default=96, help="KV blocks (of 16 tokens) per instance")
     p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--scale", type=float, default=1.0, help="multiplies the requests of every workload")
+    for name, value in vars(Shape()).items():
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
+    p.add_argument("--explain", action="store_true", help="kv_aware's gateway logs each pick (debug), and each run "
+                   "tallies them against the instances' hits (its CPU figures are then not comparable)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    args.shape = Shape(**{name: getattr(args, name) for name in vars(Shape())})
     if args.quick:
-        args.rounds, args.scale, args.topologies = 1, 1 / 3, "colocated"
+        args.rounds, args.topologies = 1, "colocated"
+        args.shape = replace(args.shape, shared_requests=args.shape.shared_requests // 3, turns=3,
+                             unique_requests=args.shape.unique_requests // 3)
     from pdserve.tokenizer import Tokenizer
     from ttft import make_model
 
     cleanup, meter = H.Cleanup(), H.CpuMeter()
-    model = make_model(cleanup.work_dir("routing"), 2048)
+    model = make_model(cleanup.work_dir("routing"), MAX_MODEL_LEN)
     tokenizer = Tokenizer(model)
     machine = {"cpu": H._cpu_info()[0], "cores": __import__("os").cpu_count(), "date": time.strftime("%Y-%m-%d")}
-    print(f"{machine}; {args.blocks} blocks of {BS} per instance, concurrency {args.concurrency}", flush=True)
-    report: dict[str, Any] = {"machine": machine, "args": vars(args)}
+    print(f"{machine}; {args.blocks} blocks of {BS} per instance, concurrency {args.concurrency}, {args.shape}",
+          flush=True)
+    report: dict[str, Any] = {"machine": machine, "args": {k: v for k, v in vars(args).items() if k != "shape"}}
     for topology in args.topologies.split(","):
         try:
             results = measure(args, topology, model, tokenizer, cleanup, meter)
@@ -377,9 +480,10 @@ def main() -> int:
             report[topology] = {"error": repr(exc)}
             continue
         table = summarize(results)
-        print_table(topology, table, results)
-        report[topology] = {"table": table, "bounds": {w: r["bound"] for w, r in results.items()},
-                            "checks": checks(table)}
+        print_table(topology, table)
+        report[topology] = {"table": table, "workloads": {w: {k: v for k, v in r.items() if k != "runs"}
+                                                          for w, r in results.items()},
+                            "runs": {w: r["runs"] for w, r in results.items()}, "checks": checks(table)}
         for name, value, target, met in report[topology]["checks"]:
             print(f"  {name}: {value:.2f} (target {target}: {'met' if met else 'MISSED'})")
         H.write_json(args.json, report)
