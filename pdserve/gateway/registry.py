@@ -45,6 +45,10 @@ class Instance:
     draining: bool = False  # its /health says it is draining: no new work, whatever its breaker says
     model: str | None = None  # the model it answered it serves, when its record names one to check
     learned_at: float = float("-inf")  # when `caps` was last asked for
+    # kv_aware's load, the gateway's own count over the legs in flight here: prompt tokens the instance did not hold
+    # and has not prefilled yet (until a leg's first token), and the KV those legs keep (with their output).
+    pending_tokens: int = 0
+    active_tokens: int = 0
 
     @property
     def healthy(self) -> bool:
