@@ -329,7 +329,7 @@ def test_kv_aware_weighs_cached_tokens_against_load_and_credits_its_choice():
     from pdserve.kv_events.prompt import RoutedPrompt
 
     def instance(url: str) -> Instance:
-        made = Instance(url=url, role="both", pool=None)
+        made = Instance(url=url, role="both", pool=None, probe_pool=None)
         made.breaker.probe_result(ok=True, slow=False)
         return made
 
@@ -362,7 +362,7 @@ def test_where_an_instance_publishes_comes_from_its_membership_record():
     from pdserve.membership.record import KvEvents, MemberRecord, kv_events_from_vllm
 
     def at(url: str, kv_events: KvEvents | None) -> Instance:
-        return Instance(url=url, role="both", pool=None, record=MemberRecord(url=url, role="both", kv_events=kv_events))
+        return Instance(url=url, role="both", pool=None, probe_pool=None, record=MemberRecord(url=url, role="both", kv_events=kv_events))
 
     vllm = kv_events_from_vllm('{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
                                '"replay_endpoint": "tcp://*:5558", "topic": "kv"}')
