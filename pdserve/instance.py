@@ -17,6 +17,8 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv_transfer.decode_first import DecodeFirstClient
 from pdserve.kv_transfer.factory import DEFAULT_CONNECTOR, build_connectors
 from pdserve.kv_transfer.layouts import PDSERVE
+from pdserve.migration.routes import add_routes as add_migration_routes
+from pdserve.migration.service import Migrations
 from pdserve.multimodal.media import MediaPolicy
 from pdserve.multimodal.prompt import MultimodalPrompter
 from pdserve.net.auth import bearer_header
@@ -55,12 +57,18 @@ class Instance:
         self.engine = LLMEngine(config, self.connectors, model, self.ec)
         self.async_engine = AsyncEngine(self.engine, request_timeout_s, on_fatal=_exit_now)
         self.workers = WorkerPool()  # tokenizing and image decoding, off the event loop
+        self.api_key = api_key
+        self.migrations: Migrations | None = None  # running requests that move between decode instances
 
     async def start(self, advertised_host: str = "127.0.0.1") -> FastAPI:
         self.async_engine.start()
         bundle = self.connectors
         if bundle is not None:
             await bundle.start(self.async_engine, advertised_host)
+            if self.config.role in ("decode", "both"):
+                self.migrations = Migrations(self.async_engine, bundle, self.engine.tokenizer, self._kv_role(),
+                                             self.config.model_name, self.timelines, bearer_header(self.api_key))
+                self.migrations.start()
         if self.ec is not None and self._ec_produces():
             self.ec.start()
         serving = self._serving()
@@ -78,6 +86,8 @@ class Instance:
 
         if self.connectors is not None:
             self._transfer_routes(app)
+        if self.migrations is not None:
+            add_migration_routes(app, self.migrations)
 
     def info(self) -> InstanceInfo:
         bundle = self.connectors
@@ -106,7 +116,8 @@ class Instance:
         bundle = self.connectors
         return OpenAIServing(
             self.async_engine, self.config.model_name, self.engine.tokenizer, self.engine.max_model_len,
-            kv_params=bundle, prompter=prompter, role=self._kv_role(), timelines=self.timelines, workers=self.workers)
+            kv_params=bundle, prompter=prompter, role=self._kv_role(), timelines=self.timelines, workers=self.workers,
+            migration=self.migrations)
 
     def _kv_role(self) -> str:
         """The role this instance plays for KV: `--role`, or what `kv_role` in the transfer config implies."""
@@ -181,6 +192,8 @@ class Instance:
         return fields
 
     async def stop(self) -> None:
+        if self.migrations is not None:
+            self.migrations.stop()
         if self.connectors is not None:
             await self.connectors.stop()
         if self.ec is not None:

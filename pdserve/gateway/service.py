@@ -22,6 +22,9 @@ from pdserve.gateway.prompt_list import PromptListMerger, split_prompts
 from pdserve.gateway.registry import Instance, Registry
 from pdserve.gateway.release import KVReleaser
 from pdserve.ids import TransferId
+from pdserve.migration.control import Rebalancer
+from pdserve.migration.splice import Splicer
+from pdserve.migration.wire import SPLICE_HEADER
 from pdserve.net.auth import bearer_header, resolve_api_keys
 from pdserve.net.body import DEFAULT_MAX_BODY_BYTES
 from pdserve.net.http_client import HttpClient
@@ -62,6 +65,9 @@ class GatewayConfig:
     admin_token: str | None = None  # Bearer token for /register and /deregister (else PDSERVE_ADMIN_TOKEN)
     admin_port: int | None = None  # or serve them on this loopback port
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    rebalance: bool = False  # move requests off a decode instance whose KV use or queue exceeds another's
+    rebalance_margin: float = 0.2  # by this much KV use (a fraction of the cache)
+    rebalance_queue_margin: float = 2.0  # or by this many waiting requests
 
 
 class Gateway:
@@ -73,7 +79,8 @@ class Gateway:
         self.deadlines = config.deadlines
         self.api_keys = resolve_api_keys(config.api_key)
         outbound = config.instance_api_key or (self.api_keys[0] if self.api_keys else None)
-        self.client = HttpClient(bearer_header(outbound))
+        # Every leg says that this gateway splices the stream of a request that moves to another instance.
+        self.client = HttpClient([*bearer_header(outbound), (SPLICE_HEADER, b"1")])
         health = HealthPolicy(config.breaker_failures, config.breaker_open_s, config.probe_interval_s,
                               config.health_timeout_s, config.liveness_window_s)
         self.registry = Registry(self.client, health, config.scrape_interval_s)
@@ -88,6 +95,9 @@ class Gateway:
         self.encoder = EncodeFanout(self)
         self.tracing = make_exporter(config.otlp_traces_endpoint, "pdserve-gateway")
         self.timelines = TimelineStore(self.tracing)
+        self.splicer = Splicer(self)
+        self.rebalancer = Rebalancer(self, config.rebalance_margin, config.rebalance_queue_margin) \
+            if config.rebalance else None
 
     async def start(self) -> None:
         """Raises NoPairError when the pool can never serve the configured protocol."""
@@ -98,8 +108,12 @@ class Gateway:
                         "its health check", len(instances), ", ".join(i.url for i in instances))
         self.pairing.check_startup()
         self.registry.start()
+        if self.rebalancer is not None:
+            self.rebalancer.start()
 
     async def stop(self) -> None:
+        if self.rebalancer is not None:
+            await self.rebalancer.stop()
         await self.registry.stop()
         await self.releaser.drain()
         self.client.close()
