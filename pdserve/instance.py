@@ -132,6 +132,8 @@ class Instance:
             sources.append(self.connectors.metrics)
         if self.ec is not None:
             sources.append(self.ec.stats)
+        if self.migrations is not None:
+            sources.append(self.migrations.metrics)
         if isinstance(serving, EncodeServing):
             sources.append(serving.stats)
 

@@ -106,3 +106,43 @@ def test_a_request_mid_prompt_is_not_paused(engines):
     source.abort_request(rid)
     source.step()
     assert_no_blocks_in_use(source)
+
+
+def test_a_lease_bound_to_a_sequence_is_granted_only_to_a_reader_naming_it():
+    """A migration's lease names the token ids its blocks hold: a grant asked with any other sequence is refused as
+    never granted (the reader's request must fail), whatever its key and token; one naming it gets checksums."""
+    import asyncio
+
+    import torch
+    import zmq.asyncio
+
+    from pdserve.kv_transfer.agent import AgentConfig, TransferAgent
+    from pdserve.kv_transfer.data_plane import make_data_plane
+    from pdserve.kv_transfer.messages import ReadGrant
+    from pdserve.kv_transfer.params import prompt_hash
+    from pdserve.kv_transfer.side_channel import SideChannelClient
+
+    plane = make_data_plane("tcp", "127.0.0.1")
+    plane.allocate((4, 2, 2, 2, 16, 8), torch.float32)
+    agent = TransferAgent(AgentConfig(engine_id="source", compat_hash="h", planes={"tcp": plane}))
+    agent.start()
+    tokens = list(range(100, 132))
+
+    async def ask(sequence: list[int]):
+        ctx = zmq.asyncio.Context()
+        client = SideChannelClient(ctx, "127.0.0.1", agent.port)
+        try:
+            return await client.request(ReadGrant(key="mig-1:0", token="r" * 32, block_ids=[1, 2],
+                                                  prompt_hash=prompt_hash(sequence)), 10)
+        finally:
+            client.close()
+            ctx.term()
+
+    try:
+        agent.pull_producer.hold("mig-1:0", "r" * 32, [1, 2], prompt_hash=prompt_hash(tokens))
+        refused = asyncio.run(ask(tokens[:-1] + [7]))
+        assert not refused.ok and refused.refusal == "denied" and "another sequence" in refused.error
+        granted = asyncio.run(ask(tokens))
+        assert granted.ok and len(granted.checksums) == 2
+    finally:
+        agent.stop()

@@ -61,10 +61,10 @@ def add_gateway_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
                         "/metrics stay open); also sent to instances unless --instance-api-key says otherwise")
     p.add_argument("--instance-api-key", default=None, metavar="KEY", help="the key the instances were started with")
     p.add_argument("--admin-token", default=None, metavar="TOKEN",
-                   help="allow /register and /deregister with 'Authorization: Bearer TOKEN' "
+                   help="allow /register, /deregister and /admin/migrate with 'Authorization: Bearer TOKEN' "
                         "(default: $PDSERVE_ADMIN_TOKEN; with neither this nor --admin-port they are off)")
     p.add_argument("--admin-port", type=int, default=None, metavar="PORT",
-                   help="serve /register and /deregister on 127.0.0.1:PORT (0 picks a free port)")
+                   help="serve the admin endpoints on 127.0.0.1:PORT (0 picks a free port)")
     p.add_argument("--rebalance", action=argparse.BooleanOptionalAction, default=None,
                    help="move running requests off a decode instance whose KV use or queue exceeds another's")
     p.add_argument("--rebalance-margin", type=float, default=None, metavar="FRACTION",

@@ -62,7 +62,7 @@ class GatewayConfig:
     otlp_traces_endpoint: str | None = None
     api_key: list[str] = field(default_factory=list)  # clients must send one (else VLLM_API_KEY, if set)
     instance_api_key: str | None = None  # sent to instances (default: the first api_key)
-    admin_token: str | None = None  # Bearer token for /register and /deregister (else PDSERVE_ADMIN_TOKEN)
+    admin_token: str | None = None  # Bearer token for the admin endpoints (else PDSERVE_ADMIN_TOKEN)
     admin_port: int | None = None  # or serve them on this loopback port
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     rebalance: bool = False  # move requests off a decode instance whose KV use or queue exceeds another's

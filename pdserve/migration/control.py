@@ -126,12 +126,17 @@ class Rebalancer:
         return None
 
     async def _move(self, source: Instance, target: Instance) -> None:
+        # At most half the KV gap moves (so the target cannot end up the busier, and the next round move it back),
+        # unless the source has a queue and the target none: then freeing any running request lets one in.
+        queued = source.waiting - target.waiting > self.queue_margin and target.waiting == 0
+        share = 1.0 if queued else max(source.kv_usage - target.kv_usage, 0.0) / 2
         try:
-            status, answer = await ask_source(source, MigrateRequest(to=target.url, count=1))
+            status, answer = await ask_source(source, MigrateRequest(to=target.url, count=1, max_share=share))
         except MigrationError as exc:
             status, answer = exc.status, None
         outcomes = [r.get("outcome", "?") for r in answer.get("data", [])] if status == 200 else [f"status_{status}"]
         for outcome in outcomes or ["nothing_to_move"]:
             self.moves.labels(outcome).inc()
-        log.info("rebalance: %s (KV %.2f, waiting %g) -> %s (KV %.2f, waiting %g): %s", source.url, source.kv_usage,
-                 source.waiting, target.url, target.kv_usage, target.waiting, ", ".join(outcomes) or "nothing moved")
+        log.log(logging.INFO if outcomes else logging.DEBUG, "rebalance: %s (KV %.2f, waiting %g) -> %s (KV %.2f, "
+                "waiting %g): %s", source.url, source.kv_usage, source.waiting, target.url, target.kv_usage,
+                target.waiting, ", ".join(outcomes) or "nothing to move")

@@ -38,10 +38,13 @@ class Pinned:
 
 
 def pin_filled(engine: LLMEngine, rid: ReqId, first_block: int) -> Pinned | None:
-    """The request's full blocks from `first_block` on (their KV never changes again); None if it is not running."""
+    """The request's full blocks from `first_block` on (their KV never changes again: none while it waits or
+    recomputes after a preemption); None if it ended."""
     request = engine.scheduler.requests.get(rid)
-    if request is None or request.status != RequestStatus.RUNNING:
+    if request is None or request.is_finished:
         return None
+    if request.status != RequestStatus.RUNNING:
+        return Pinned([], first_block, [])
     end = request.num_computed_tokens // engine.kv.block_size
     blocks = engine.kv.pin(rid, first_block, end)
     return Pinned(blocks, first_block, request.all_token_ids()[:end * engine.kv.block_size])

@@ -45,9 +45,10 @@ def add_routes(app: FastAPI, migrations: Migrations) -> None:
     @app.post(ABANDON_PATH)
     async def abandon(request: Request) -> Response:
         try:
-            ended = await migrations.target.abandon(decode_as(await request.body(), Abandon))
+            message = decode_as(await request.body(), Abandon)
         except MigrationError as exc:
             return _refused(exc)
+        ended = migrations.source.abandon(message.migration_id, message.token) or await migrations.target.abandon(message)
         return _json({"abandoned": ended})
 
     @app.post(MIGRATE_PATH)

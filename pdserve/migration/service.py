@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -22,8 +23,8 @@ from pdserve.migration.client import TargetClient
 from pdserve.migration.settings import MigrationSettings
 from pdserve.migration.source import MigrationSource, Tracked
 from pdserve.migration.target import MigrationTarget
-from pdserve.migration.wire import (MIGRATING, Continue, Logprob, MigrationError, RequestState, Source,
-                                    TargetStatus, encode, parse_continue)
+from pdserve.migration.wire import (MIGRATING, Continue, Logprob, MigrateRequest, MigrationError, RequestState,
+                                    Source, TargetStatus, encode, parse_continue)
 from pdserve.sampling_params import SamplingParams
 from pdserve.telemetry.timeline import TimelineStore
 from pdserve.tokenizer import Tokenizer
@@ -117,6 +118,31 @@ class Migrations:
         reason = self.refusal()
         return TargetStatus(accepting=not reason, reason=reason, engine_id=self.bundle.engine_id, role=self.role,
                             model=self.model_name, compat_hash=self.bundle.agent.config.compat_hash, layout=words)
+
+    def metrics(self) -> dict[str, float]:
+        out = {f"counter pdserve:migrations_out_{outcome}": n for outcome, n in self.source.outcomes.items()}
+        out.update({"counter pdserve:migrations_in_taken_over": self.target.taken_over,
+                    "counter pdserve:migrations_in_resumed": self.target.resumed,
+                    "gauge pdserve:migration_blocks_reserved": self.target.num_held()})
+        return out
+
+    async def hand_off(self, drain: Any, deadline: float) -> None:
+        """A draining decode instance's hand-off: move every request that can move to other decode instances (the
+        gateway relaying each picks where), and let the others finish here, by `deadline` (time.monotonic())."""
+        self.draining = "it is draining"
+        while time.monotonic() < deadline:
+            movable = [t for t in self.source.tracked.values() if t.migration is None]
+            if movable:
+                ask = MigrateRequest(count=len(movable))
+                try:
+                    results = await asyncio.wait_for(self.source.migrate(ask), max(deadline - time.monotonic(), 0))
+                except TimeoutError:
+                    return
+                log.info("drain: %d requests moved, %d finish here", sum(r.outcome == "handed_over" for r in results),
+                         sum(r.outcome != "handed_over" for r in results))
+            if not drain.running():
+                return
+            await asyncio.sleep(0.05)
 
     # -- the server's hooks ----------------------------------------------------------------------------------
     def track(self, request_id: str, rid: ReqId, stream: bool) -> Leg:

@@ -78,6 +78,8 @@ class MigrationSource:
         self.settings = settings
         self.tracked: dict[str, Tracked] = {}
         self.migrations: dict[str, Migration] = {}
+        self.outcomes: dict[str, int] = {}  # moves started here, by how they ended
+        self._later: set[asyncio.Task] = set()
 
     # -- which requests may move -------------------------------------------------------------------------
     def register(self, tracked: Tracked) -> None:
@@ -95,6 +97,12 @@ class MigrationSource:
         self.migrations.pop(migration.id, None)
         if migration.task is not None and not migration.task.done():
             migration.task.cancel()  # the client left (or the request ended here): nothing to move any more
+        elif migration.handed_over is not None and not moved:  # it left between the handover and the marker
+            handed = migration.handed_over
+            task = asyncio.get_running_loop().create_task(self.targets.abandon(handed.to, handed.migration_id,
+                                                                               handed.token, "the client left"))
+            self._later.add(task)
+            task.add_done_callback(self._later.discard)
 
     # -- starting ------------------------------------------------------------------------------------------
     async def migrate(self, ask: MigrateRequest) -> list[MigrateResult]:
@@ -103,7 +111,8 @@ class MigrationSource:
             raise MigrationError(400, f"mode must be live, stop-copy or recompute, got {ask.mode!r}")
         if ask.to is not None:
             await self.check_target(ask.to)
-        chosen = [self._named(ask.request_id)] if ask.request_id is not None else await self._pick(ask.count)
+        chosen = [self._named(ask.request_id)] if ask.request_id is not None else await self._pick(ask.count,
+                                                                                                    ask.max_share)
         started = [self._start(tracked, ask.to, ask.mode) for tracked in chosen]
         return list(await asyncio.gather(*(m.done for m in started)))
 
@@ -116,14 +125,15 @@ class MigrationSource:
             raise MigrationError(409, f"request {request_id!r} is being moved already")
         return tracked
 
-    async def _pick(self, count: int) -> list[Tracked]:
-        """The `count` movable requests holding the most KV (moving them frees the most)."""
+    async def _pick(self, count: int, max_share: float) -> list[Tracked]:
+        """The `count` movable requests holding the most KV (moving them frees the most), each at most
+        `max_share` of the cache."""
         free = [t for t in self.tracked.values() if t.migration is None]
         rids = [t.rid for t in free]
-        sizes = await self.engine.call(lambda e: {r: e.scheduler.requests[r].num_tokens for r in rids
-                                                  if r in e.scheduler.requests})
-        free = [t for t in free if t.rid in sizes]
-        return sorted(free, key=lambda t: sizes[t.rid], reverse=True)[:max(count, 0)]
+        shares = await self.engine.call(lambda e: {r: len(e.kv.block_ids(r)) / e.kv.num_blocks for r in rids
+                                                   if r in e.scheduler.requests})
+        free = [t for t in free if shares.get(t.rid, 2.0) <= max_share]
+        return sorted(free, key=lambda t: shares[t.rid], reverse=True)[:max(count, 0)]
 
     async def check_target(self, url: str) -> str:
         """The target may take this instance's requests: a decode instance accepting them, with the same model,
@@ -180,6 +190,16 @@ class MigrationSource:
         migration.tracked.tagged = migration.tracked.stream
         migration.window.set_result(to)
         return migration
+
+    def abandon(self, migration_id: str, token: str) -> bool:
+        """The gateway will not come back for the request (its client left): end it now, and its migration."""
+        migration = self.migrations.get(migration_id)
+        if migration is None or not secrets.compare_digest(migration.token, token):
+            return False
+        self.engine.abort(migration.tracked.rid)
+        if migration.task is not None and not migration.task.done():
+            migration.task.cancel()
+        return True
 
     def handed_over(self, tracked: Tracked) -> HandedOver:
         assert tracked.migration is not None and tracked.migration.handed_over is not None
@@ -292,5 +312,6 @@ class MigrationSource:
             self.migrations.pop(m.id, None)
             m.tracked.migration = None
         if not m.done.done():
+            self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
             m.done.set_result(MigrateResult(request_id=m.tracked.request_id, outcome=outcome, to=to, error=error,
                                             stop_s=stop_s, stages=stages))

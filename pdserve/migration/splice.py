@@ -56,10 +56,12 @@ class Splicer:
         self._background: set[asyncio.Task] = set()
 
     async def after_stream(self, call: Call, instance: Instance, rest: bytes) -> None:
-        await _Spliced(self, call, instance).run(decode_marker(rest[len(MARKER):]))
+        """A stream ended with a marker (`rest`): the client's stream goes on where it says."""
+        await _Spliced(self, call, instance).run(rest[len(MARKER):])
 
     async def after_json(self, call: Call, instance: Instance, raw: bytes) -> None:
-        await _Spliced(self, call, instance).run(decode_marker(raw))
+        """A JSON answer was a marker: the client's answer comes from where it says."""
+        await _Spliced(self, call, instance).run(raw)
 
     def pick_target(self, source: Instance | None, exclude: Instance | None = None) -> Instance | None:
         """The least loaded decode instance, other than the source, that can take the request."""
@@ -106,13 +108,15 @@ class _Spliced:
     def cursor(self) -> int:
         return len(self.tokens) if self.call.stream else 0
 
-    async def run(self, marker: Marker | None) -> None:
+    async def run(self, raw: bytes) -> None:
         try:
+            marker = decode_marker(raw)
             while marker is not None:
                 marker = await (self._window(marker) if isinstance(marker, Handoff) else self._attach(marker))
-        except LegLost as exc:
+        except (LegLost, MigrationError) as exc:
             self.splicer.outcomes.labels("failed").inc()
-            await self._fail(exc)
+            log.warning("request %s could not go on after its migration: %s", self.call.request_id, exc)
+            await self._fail(exc if isinstance(exc, LegLost) else LegLost(str(exc), exc.status))
         except asyncio.CancelledError:
             if self.pending is not None:
                 self.splicer.abandon(self.pending, *self.migration, "the client left")

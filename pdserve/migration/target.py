@@ -31,6 +31,7 @@ from pdserve.utils import cdiv
 
 log = logging.getLogger(__name__)
 _REAP_INTERVAL_S = 0.5
+SPARE_BLOCKS = 2  # reserved ahead of the last stage (at most FINAL_BLOCKS + the partly filled one)
 
 
 @dataclass(eq=False)
@@ -39,6 +40,7 @@ class Incoming:
     token: str
     source: Source
     blocks: list[KVBlock] = field(default_factory=list)  # reserved here, the KV read so far
+    spare: list[KVBlock] = field(default_factory=list)  # reserved here for the stages to come
     token_ids: list[int] = field(default_factory=list)  # whose KV the blocks hold
     busy: asyncio.Task | None = None  # a stage being read (or the request being taken over)
     touched: float = field(default_factory=time.monotonic)
@@ -55,6 +57,8 @@ class MigrationTarget:
         self.block_size = block_size
         self.timelines = timelines
         self.incoming: dict[str, Incoming] = {}
+        self.taken_over = 0  # requests that moved here with their KV
+        self.resumed = 0  # requests that moved here by their tokens alone (recomputed)
         self.refusal: Callable[[], str] = lambda: ""  # why no migration is taken now ("" : they are)
 
     # -- a stage -------------------------------------------------------------------------------------------
@@ -95,11 +99,15 @@ class MigrationTarget:
         return record
 
     async def _take(self, record: Incoming, message: CopyStage) -> None:
-        if message.final is not None:
-            await self.engine.call(lambda e: engine_ops.check_state(e, message.final))
-        if message.block_ids:
-            blocks = await self.engine.call(lambda e: engine_ops.reserve(e, len(message.block_ids)))
-            record.blocks += blocks
+        needed = len(message.block_ids)
+        if needed > len(record.spare):
+            # A few more than asked: the last stage (a block or two) then reads into blocks already here, without
+            # waiting for a step to end while the request is stopped.
+            more = needed - len(record.spare) + (0 if message.final is not None else SPARE_BLOCKS)
+            record.spare += await self.engine.call(lambda e: engine_ops.reserve(e, more))
+        blocks, record.spare = record.spare[:needed], record.spare[needed:]
+        record.blocks += blocks
+        if blocks:
             await self._read(record, message, [b.block_id for b in blocks])
         record.token_ids = list(message.token_ids)
         if message.final is not None:
@@ -133,6 +141,9 @@ class MigrationTarget:
             raise
         record.blocks = []  # the request's now
         record.rid, record.state = rid, state
+        self.taken_over += 1
+        await self._release(record.spare)
+        record.spare = []
 
     async def resume(self, state: RequestState) -> ReqId:
         """A request handed over by its tokens alone (its source died, or was told to): it recomputes them here."""
@@ -144,6 +155,7 @@ class MigrationTarget:
         except BaseException:
             self.engine.close_stream(rid)
             raise
+        self.resumed += 1
         return rid
 
     # -- the gateway's attach, and endings -----------------------------------------------------------------
@@ -176,12 +188,15 @@ class MigrationTarget:
         if self.incoming.get(record.id) is record:
             del self.incoming[record.id]
         log.info("migration %s dropped here: %s", record.id, reason)
-        blocks, record.blocks = record.blocks, []
-        if blocks:
-            await asyncio.shield(self.engine.call(lambda e: engine_ops.release(e, blocks)))
+        blocks, record.blocks, record.spare = record.blocks + record.spare, [], []
+        await self._release(blocks)
         if record.rid is not None:
             self.engine.abort(record.rid)
             self.engine.close_stream(record.rid)
+
+    async def _release(self, blocks: list[KVBlock]) -> None:
+        if blocks:
+            await asyncio.shield(self.engine.call(lambda e: engine_ops.release(e, blocks)))
 
     async def reap(self) -> None:
         """Forever: end migrations whose source went quiet, and requests taken over that nobody attached to."""
@@ -194,7 +209,7 @@ class MigrationTarget:
                     await self.drop(record, f"nothing came for {limit:g} s")
 
     def num_held(self) -> int:
-        return sum(len(record.blocks) for record in self.incoming.values())
+        return sum(len(record.blocks) + len(record.spare) for record in self.incoming.values())
 
 
 async def on_loop(loop: asyncio.AbstractEventLoop | None, work: Coroutine[Any, Any, Any]) -> Any:

@@ -124,6 +124,9 @@ class MigrateRequest(msgspec.Struct, kw_only=True):
     to: str | None = None  # the target's URL; None: whichever the gateway relaying the request picks
     count: int = 1
     mode: str = "live"
+    # With `count`: move only requests holding at most this share of the source's KV cache (a rebalancer moving
+    # at most half the gap between two instances never makes the other one the busier).
+    max_share: float = 1.0
 
 
 class MigrateResult(msgspec.Struct, kw_only=True):

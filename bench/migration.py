@@ -1,0 +1,299 @@
+"""Live migration of running decode requests (pdserve.migration), through the client's clock and /metrics.
+
+Processes: P (prefill), D1 and D2 (decode, reading each other's blocks over --plane) and a pull gateway with an
+admin token, on the llama120m preset (12 layers, 4 KV heads: 24 KiB of fp32 KV per token) or --model-preset h256,
+max_position_embeddings raised to --max-model-len.
+
+1. stop vs sequence length: a streamed greedy request whose sequence holds L tokens when it is moved (a prompt of
+   L - 40 tokens, moved once 32 tokens streamed) from the decode instance it runs on to the other, by live
+   migration (a multi-stage copy while it decodes, then a stop for the last blocks), by stop-copy-resume (stop,
+   copy everything, resume) and by recompute on the new instance (modes of POST /admin/migrate), rounds rotating the
+   order. The stop seen by the client = the largest gap between two consecutive tokens of that request minus the
+   median gap of the same request. Also shown: the source's own stop (paused to handed over) and the stages.
+2. drain: D1 runs --drain-requests generations of --drain-tokens tokens; once each streamed 32 tokens, D1 is asked
+   to move all of its requests (the gateway picks where: D2), and the time until D1 runs none is compared with the
+   time the same generations take to finish unmoved.
+3. bystanders: --bystanders streams on each of D1 and D2 (sent to them directly), and a 2k-token request moved from
+   D1 to D2: the bystanders' mean inter-token time while the move runs against the same stretch just before it.
+
+  .venv/bin/python bench/migration.py --quick                           # smoke run (h256, short)
+  .venv/bin/python bench/migration.py --json bench/out/migration.json   # the recorded run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness as H  # noqa: E402
+
+ADMIN = "bench-migration-admin"
+AUTH = {"Authorization": f"Bearer {ADMIN}"}
+MODES = ("live", "stop-copy", "recompute")
+
+
+def make_model(work: Path, preset: str, max_pos: int) -> Path:
+    from pdserve.modelgen import make_text_model
+
+    model = Path(make_text_model("llama", work / preset, preset=preset))
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["max_position_embeddings"] = max_pos
+    (model / "config.json").write_text(json.dumps(cfg, indent=2))
+    return model
+
+
+class Streamer(threading.Thread):
+    """One streamed request, read on its own thread: the arrival time of each token's chunk."""
+
+    def __init__(self, url: str, body: dict, request_id: str | None = None) -> None:
+        super().__init__(daemon=True)
+        self.url, self.body = url, body
+        self.request_id = request_id or uuid.uuid4().hex
+        self.times: list[float] = []
+        self.error = ""
+        self.closed = False
+        self.client: Any = None
+        self.start()
+
+    def run(self) -> None:
+        client = self.client = H.http_client(600)
+        try:
+            for t, data in H.sse_data(client, self.url, self.body, {"X-Request-Id": self.request_id}):
+                chunk = json.loads(data)
+                if "choices" not in chunk:
+                    self.error = data[:300]
+                elif chunk["choices"]:
+                    self.times.append(t)
+        except Exception as exc:  # noqa: BLE001 - reported with the run
+            if not self.closed:
+                self.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            client.close()
+
+    def close(self) -> None:
+        """Leave: the instance aborts the request."""
+        self.closed = True
+        self.client.close()
+        self.join(60)
+
+    def wait_tokens(self, n: int, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.times) < n and self.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.002)
+
+    def gaps(self) -> list[float]:
+        return [b - a for a, b in zip(self.times, self.times[1:])]
+
+
+class Fleet:
+    def __init__(self, servers: H.Servers, model: Path, args: argparse.Namespace) -> None:
+        common = ["--max-model-len", str(args.max_model_len), "--num-kv-blocks", str(args.kv_blocks),
+                  "--threads", "1", "--max-num-batched-tokens", "2048", "--served-model-name", "m"]
+        self.servers = servers
+        servers.instance("P", model, *common, "--no-enable-prefix-caching",
+                         "--kv-transfer-config", H.kv_config("kv_producer"))
+        for name in ("D1", "D2"):
+            servers.instance(name, model, *common, "--no-enable-prefix-caching",
+                             "--kv-transfer-config", H.kv_config("kv_consumer", args.plane))
+        self.gw = servers.gateway("G", "--protocol", "pull", "--prefill", servers.url("P"), "--decode",
+                                  servers.url("D1"), servers.url("D2"), "--admin-token", ADMIN,
+                                  "--idle-timeout", "600").url
+
+    def url(self, name: str) -> str:
+        return self.servers.url(name)
+
+    def admin(self, client: Any, path: str, body: dict) -> Any:
+        return client.post(f"{self.gw}{path}", json=body, headers=AUTH, timeout=600)
+
+    def only(self, client: Any, name: str) -> None:
+        """Route new requests to decode instance `name` alone (the other is deregistered)."""
+        gone = "D2" if name == "D1" else "D1"
+        self.admin(client, "/deregister", {"url": self.url(gone)})
+
+    def both(self, client: Any) -> None:
+        for name in ("D1", "D2"):
+            self.admin(client, "/register", {"url": self.url(name), "role": "decode"})
+
+    def serving(self, client: Any, request_id: str) -> str:
+        events = H.timeline_events(client, self.gw, request_id)
+        url = [attrs["url"] for name, _, attrs in events if name == "leg_start" and attrs.get("leg") == "decode"][-1]
+        return "D1" if url == self.url("D1") else "D2"
+
+
+def body(prompt: list[int], max_tokens: int) -> dict:
+    return {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+
+
+def prompt_of(gen: random.Random, n: int) -> list[int]:
+    return [gen.randrange(100, 30000) for _ in range(n)]
+
+
+def stop_run(fleet: Fleet, client: Any, gen: random.Random, length: int, mode: str, meter: H.CpuMeter,
+             after: int = 32) -> dict[str, Any]:
+    stream = Streamer(f"{fleet.gw}/v1/completions", body(prompt_of(gen, length - 40), 96))
+    stream.wait_tokens(after)
+    source = fleet.serving(client, stream.request_id)
+    meter.mark()
+    r = fleet.admin(client, "/admin/migrate", {"request_id": stream.request_id, "mode": mode,
+                                               "to": fleet.url("D2" if source == "D1" else "D1")})
+    others = meter.since_mark()["others"]
+    stream.join(600)
+    answer = r.json()["data"][0] if r.status_code == 200 else {"outcome": f"status {r.status_code}: {r.text}"}
+    gaps = stream.gaps()
+    return {"length": length, "mode": mode, "outcome": answer["outcome"], "error": stream.error,
+            "tokens": len(stream.times), "stop_ms": (max(gaps) - statistics.median(gaps)) * 1e3,
+            "max_gap_ms": max(gaps) * 1e3, "step_ms": statistics.median(gaps) * 1e3,
+            "source_stop_ms": answer.get("stop_s", 0.0) * 1e3, "stages": answer.get("stages", 0), "others": others}
+
+
+def drain_run(fleet: Fleet, client: Any, gen: random.Random, args: argparse.Namespace, move: bool) -> dict[str, Any]:
+    """The time D1 needs to run none of its requests: moving them all (to D2), or letting them finish."""
+    fleet.only(client, "D1")
+    streams = [Streamer(f"{fleet.gw}/v1/completions", body(prompt_of(gen, 200), args.drain_tokens))
+               for _ in range(args.drain_requests)]
+    for stream in streams:
+        stream.wait_tokens(32)
+    fleet.both(client)
+    started = time.monotonic()
+    outcomes: list[str] = []
+    if move:
+        r = client.post(f"{fleet.url('D1')}/v1/migrate", json={"count": args.drain_requests}, timeout=600)
+        outcomes = [x["outcome"] for x in r.json().get("data", [])] if r.status_code == 200 else [r.text]
+    while H.scrape(client, fleet.url("D1")).get("vllm:num_requests_running", 1) > 0:
+        time.sleep(0.01)
+    seconds = time.monotonic() - started
+    for stream in streams:
+        stream.join(600)
+    return {"moved": move, "seconds": seconds, "outcomes": outcomes, "errors": [s.error for s in streams if s.error],
+            "tokens": [len(s.times) for s in streams]}
+
+
+def bystander_run(fleet: Fleet, client: Any, gen: random.Random, args: argparse.Namespace) -> dict[str, Any]:
+    """Bystanders' mean inter-token time while a request moves from D1 to D2, and in as long a stretch before."""
+    bystanders = {name: [Streamer(f"{fleet.url(name)}/v1/completions", body(prompt_of(gen, 100), 4000))
+                         for _ in range(args.bystanders)] for name in ("D1", "D2")}
+    fleet.only(client, "D1")
+    moving = Streamer(f"{fleet.gw}/v1/completions", body(prompt_of(gen, 2000), 200))
+    moving.wait_tokens(32)
+    fleet.both(client)
+    time.sleep(1.0)  # the bystanders' steady state
+    t0 = time.monotonic()
+    fleet.admin(client, "/admin/migrate", {"request_id": moving.request_id, "to": fleet.url("D2")})
+    t1 = time.monotonic()
+    moving.join(600)
+    out: dict[str, Any] = {"move_ms": (t1 - t0) * 1e3}
+    for name, streams in bystanders.items():
+        during = _mean_gap(streams, t0, t1)
+        before = _mean_gap(streams, t0 - max(t1 - t0, 0.3), t0)
+        out[name] = {"before_ms": before * 1e3, "during_ms": during * 1e3, "ratio": during / before}
+    for streams in bystanders.values():
+        for stream in streams:
+            stream.close()
+    return out
+
+
+def _mean_gap(streams: list[Streamer], t0: float, t1: float) -> float:
+    """The mean time between two tokens of the streams, over the tokens that arrived in [t0, t1]."""
+    gaps = [b - a for s in streams for a, b in zip(s.times, s.times[1:]) if t0 <= b <= t1]
+    return statistics.fmean(gaps) if gaps else float("nan")
+
+
+def run(args: argparse.Namespace, servers: H.Servers, model: Path, meter: H.CpuMeter) -> dict[str, Any]:
+    fleet = Fleet(servers, model, args)
+    client = H.http_client(600)
+    gen = random.Random(2024)
+    warm = stop_run(fleet, client, gen, args.lengths[0], "live", meter)
+    print(f"  warm-up: {warm['outcome']}, step {warm['step_ms']:.1f} ms", flush=True)
+    stops = []
+    for rep, order in H.rotations(list(args.modes), args.reps):
+        for length in args.lengths:
+            for mode in order:
+                stops.append({**stop_run(fleet, client, gen, length, mode, meter), "rep": rep})
+                print(f"  [{rep + 1}/{args.reps}] L={length:5d} {mode:9s} stop {stops[-1]['stop_ms']:8.1f} ms "
+                      f"(step {stops[-1]['step_ms']:.1f}, source {stops[-1]['source_stop_ms']:.1f}, stages "
+                      f"{stops[-1]['stages']}, {stops[-1]['outcome']}) others {stops[-1]['others']:.2f}", flush=True)
+    drains = [drain_run(fleet, client, gen, args, move) for move in (True, False)]
+    for d in drains:
+        print(f"  drain of {args.drain_requests} x {args.drain_tokens} tokens, {'moved' if d['moved'] else 'finished'}: "
+              f"{d['seconds']:.2f} s {d['outcomes'][:3]} {d['errors'][:2]}", flush=True)
+    bystanders = [bystander_run(fleet, client, gen, args) for _ in range(args.bystander_rounds)]
+    for b in bystanders:
+        print(f"  bystanders: move {b['move_ms']:.0f} ms; D1 {b['D1']['ratio']:.2f}x, D2 {b['D2']['ratio']:.2f}x", flush=True)
+    return {"stops": stops, "rows": rows(stops, args), "drains": drains, "bystanders": bystanders}
+
+
+def rows(stops: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
+    out = []
+    for length in args.lengths:
+        row: dict[str, Any] = {"length": length}
+        for mode in args.modes:
+            runs = [s for s in stops if s["length"] == length and s["mode"] == mode and s["outcome"] == "handed_over"]
+            row[mode] = H.median([s["stop_ms"] for s in runs])
+            row[f"{mode}_steps"] = H.median([s["stop_ms"] / s["step_ms"] for s in runs])
+            row[f"{mode}_source"] = H.median([s["source_stop_ms"] for s in runs])
+        out.append(row)
+    return out
+
+
+def report(result: dict[str, Any], args: argparse.Namespace) -> None:
+    print("\nstop seen by the client (median over rounds; ms, and in decode steps):")
+    print("  length | " + " | ".join(f"{m:>22s}" for m in args.modes) + " | live source stop")
+    for row in result["rows"]:
+        cells = " | ".join(f"{H.fmt(row[m], '.1f'):>9s} ms {H.fmt(row[m + '_steps'], '.1f'):>6s} st" for m in args.modes)
+        print(f"  {row['length']:6d} | {cells} | {H.fmt(row.get('live_source'), '.1f')} ms")
+    moved, finished = result["drains"]
+    print(f"\ndrain of {args.drain_requests} generations of {args.drain_tokens} tokens: moved {moved['seconds']:.2f} s, "
+          f"finished unmoved {finished['seconds']:.2f} s ({finished['seconds'] / moved['seconds']:.0f}x)")
+    ratios = {name: H.median([b[name]["ratio"] for b in result["bystanders"]]) for name in ("D1", "D2")}
+    print(f"bystanders' TPOT during a move / before it (median of {len(result['bystanders'])}): "
+          f"D1 {ratios['D1']:.2f}x, D2 {ratios['D2']:.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-preset", default="llama120m", choices=["llama120m", "h256"])
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--kv-blocks", type=int, default=2048)
+    parser.add_argument("--plane", default="tcp", help="the data plane D1 and D2 read each other's blocks over")
+    parser.add_argument("--lengths", type=lambda v: [int(x) for x in v.split(",")], default=[256, 1024, 2048, 4000])
+    parser.add_argument("--modes", type=lambda v: v.split(","), default=list(MODES))
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--drain-requests", type=int, default=16)
+    parser.add_argument("--drain-tokens", type=int, default=1000)
+    parser.add_argument("--bystanders", type=int, default=4)
+    parser.add_argument("--bystander-rounds", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="h256, short lengths, one round: a smoke run")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if args.quick:
+        args.model_preset, args.max_model_len, args.lengths, args.reps = "h256", 2048, [256, 1024], 1
+        args.drain_requests, args.drain_tokens, args.bystander_rounds = 4, 300, 1
+    cleanup = H.Cleanup()
+    meter = H.CpuMeter()
+    servers = H.Servers(cleanup, meter)
+    try:
+        model = make_model(cleanup.work_dir("migration"), args.model_preset, args.max_model_len)
+        hardware = H.probe_hardware(1, copy_bytes=H.GiB // 4, rounds=1)
+        print(f"{hardware.describe()}\nmodel {args.model_preset}, plane {args.plane}, load {H.loadavg()}", flush=True)
+        result = run(args, servers, model, meter)
+        report(result, args)
+        H.write_json(args.json, {"args": vars(args), "hardware": hardware, **result})
+    finally:
+        servers.stop()
+        cleanup.run()
+
+
+if __name__ == "__main__":
+    main()
