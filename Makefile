@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test bench install native clean
 
-$(STAMP): pyproject.toml requirements/constraints.txt scripts/install_mooncake.sh
+$(STAMP): pyproject.toml requirements/constraints.txt scripts/install_mooncake.sh scripts/install_etcd.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch is pinned by the constraints file so pip takes the CPU wheel, never the CUDA stack.
@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml requirements/constraints.txt scripts/install_mooncake.s
 	$(PY) -m pip install --quiet --no-deps nixl-cu12==1.5.1 nixl==1.5.1
 	# The mooncake data plane's engine (the `mooncake` extra) and, as root, the system libraries it links.
 	scripts/install_mooncake.sh $(PY)
+	# etcd for membership (`--discovery etcd://...` and its tests), as root, from Debian, where it is missing.
+	scripts/install_etcd.sh
 	touch $(STAMP)
 
 install: $(STAMP) native

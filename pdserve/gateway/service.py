@@ -22,6 +22,10 @@ from pdserve.gateway.prompt_list import PromptListMerger, split_prompts
 from pdserve.gateway.registry import Instance, Registry
 from pdserve.gateway.release import KVReleaser
 from pdserve.ids import TransferId
+from pdserve.membership.membership import Membership
+from pdserve.membership.metrics import MembershipCollector
+from pdserve.membership.record import MemberRecord, check_record
+from pdserve.membership.sources import KubernetesOptions, discovery_sources
 from pdserve.migration.control import Rebalancer
 from pdserve.migration.splice import Splicer
 from pdserve.migration.wire import SPLICE_HEADER
@@ -68,6 +72,15 @@ class GatewayConfig:
     rebalance: bool = False  # move requests off a decode instance whose KV use or queue exceeds another's
     rebalance_margin: float = 0.2  # by this much KV use (a fraction of the cache)
     rebalance_queue_margin: float = 2.0  # or by this many waiting requests
+    discovery: str | None = None  # etcd://HOST:PORT[,...]/PREFIX, k8s[://NAMESPACE], or None: flags and /register
+    discovery_relist_s: float = 30.0  # every backend lists the whole membership at least this often
+    selector: str | None = None  # k8s: pods that match, their role from labels
+    prefill_selector: str | None = None
+    decode_selector: str | None = None
+    both_selector: str | None = None
+    encode_selector: str | None = None
+    discovery_namespace: str | None = None
+    discovery_port: int | None = None
 
 
 class Gateway:
@@ -89,9 +102,10 @@ class Gateway:
         self.conditional = ConditionalDisagg(self.metrics, config.conditional, config.min_prompt_tokens,
                                              config.prefix_threshold, config.tokenizer)
         self.releaser = KVReleaser(self.metrics, config.deadlines.connect_s, config.release_timeout_s)
-        for role in ("prefill", "decode", "both", "encode"):
-            for url in getattr(config, role):
-                self.registry.add(url, role)
+        self.membership = Membership(discovery_sources(_static_records(config), config.discovery,
+                                                       config.discovery_relist_s, _k8s_options(config)),
+                                     self.registry.join, self.registry.remove)
+        self.metrics.prom.register(MembershipCollector(self.membership, self.registry))
         self.encoder = EncodeFanout(self)
         self.tracing = make_exporter(config.otlp_traces_endpoint, "pdserve-gateway")
         self.timelines = TimelineStore(self.tracing)
@@ -101,6 +115,7 @@ class Gateway:
 
     async def start(self) -> None:
         """Raises NoPairError when the pool can never serve the configured protocol."""
+        await self.membership.start()
         await self.registry.probe_all()
         instances = list(self.registry.instances.values())
         if instances and not any(i.healthy for i in instances):
@@ -114,6 +129,7 @@ class Gateway:
     async def stop(self) -> None:
         if self.rebalancer is not None:
             await self.rebalancer.stop()
+        await self.membership.stop()
         await self.registry.stop()
         await self.releaser.drain()
         self.client.close()
@@ -214,6 +230,17 @@ class Gateway:
             await call.finish()
             return
         await call.respond_json(status, payload)
+
+
+def _static_records(config: GatewayConfig) -> list[MemberRecord]:
+    return [check_record(MemberRecord(url=url, role=role, source="static"))
+            for role in ("prefill", "decode", "both", "encode") for url in getattr(config, role)]
+
+
+def _k8s_options(config: GatewayConfig) -> KubernetesOptions:
+    roles = {role: getattr(config, f"{role}_selector") for role in ("prefill", "decode", "both", "encode")}
+    return KubernetesOptions(config.selector, {r: s for r, s in roles.items() if s}, config.discovery_namespace,
+                             config.discovery_port)
 
 
 def _body_of(exc: LegError) -> bytes | dict:

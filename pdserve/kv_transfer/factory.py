@@ -149,6 +149,13 @@ class ConnectorBundle:
             raise KVParamsRejected(str(exc)) from exc
         return self.agent.release_local(release.key, release.token, release.transfer_id)
 
+    def held_for_others(self) -> int:
+        """Transfers whose KV this producer still holds for a consumer."""
+        return self.agent.num_leases()
+
+    def release_all_held(self) -> int:
+        return self.agent.pull_producer.release_all()
+
     def set_faults(self, raw: dict[str, Any]) -> dict[str, Any]:
         if not self.fault_api:
             raise KVParamsRejected("fault injection at run time is off (kv_connector_extra_config.fault_injection_api)")

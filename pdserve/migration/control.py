@@ -80,6 +80,8 @@ def _target(gateway: Any, url: str, source: Instance) -> Instance:
         raise MigrationError(400, f"{url} is not a decode instance (it is registered as {target.role})")
     if target is source:
         raise MigrationError(400, f"request runs on {url} already")
+    if target.draining:
+        raise MigrationError(409, f"{url} is draining: it takes no requests")
     if not target.healthy:
         raise MigrationError(409, f"{url} is not healthy")
     return target

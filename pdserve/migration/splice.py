@@ -19,8 +19,8 @@ from prometheus_client import Counter
 from pdserve.gateway.call import Call, SSEFramer
 from pdserve.gateway.registry import Instance
 from pdserve.migration.client import ABANDON_PATH, base_url
-from pdserve.migration.wire import (MARKER, MOVED_STATUS, TOKENS, Abandon, Continue, HandedOver, Handoff, Logprob,
-                                    Marker, MigrationError, decode_marker, encode, with_continue)
+from pdserve.migration.wire import (CONTINUE_HEADER, MARKER, MOVED_STATUS, TOKENS, Abandon, Continue, HandedOver,
+                                    Handoff, Logprob, Marker, MigrationError, decode_marker, encode, with_continue)
 from pdserve.net.http_client import Response, UpstreamError, UpstreamTimeout
 from pdserve.server.errors import error_body
 
@@ -189,7 +189,7 @@ class _Spliced:
         with (the request moves again), or None when the client has its whole answer."""
         call, deadlines = self.call, self.call.gateway.deadlines
         headers = [(b"content-type", b"application/json"), (b"x-request-id", call.request_id.encode()),
-                   *call.leg_started(leg, instance)]
+                   (CONTINUE_HEADER, cont.phase.encode()), *call.leg_started(leg, instance)]
         status, self.source, self._written = 0, instance, 0
         try:
             response = await instance.pool.request("POST", call.path, with_continue(call.body, cont), headers,

@@ -26,6 +26,7 @@ MARKER = b"pdserve-migration: "
 TOKENS = b"pdserve-tokens: "  # a window leg's line before each event: the ids of the tokens it carries
 MOVED_STATUS = 307  # a JSON answer that goes on elsewhere: its body is the marker
 SPLICE_HEADER = b"x-pdserve-splice"  # sent by a gateway that splices a migrated request's stream
+CONTINUE_HEADER = b"x-pdserve-continue"  # on a gateway's leg after a marker: no new work, a request going on
 MODES = ("live", "stop-copy", "recompute")  # multi-stage copy; stop, copy all, resume; the target recomputes
 PHASES = ("window", "attach", "resume")
 MIGRATING = "migrating"  # the finish reason of a leg that ends because its request starts to move (it runs on)
