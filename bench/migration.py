@@ -10,9 +10,9 @@ max_position_embeddings raised to --max-model-len.
    copy everything, resume) and by recompute on the new instance (modes of POST /admin/migrate), rounds rotating the
    order. The stop seen by the client = the largest gap between two consecutive tokens of that request minus the
    median gap of the same request. Also shown: the source's own stop (paused to handed over) and the stages.
-2. drain: D1 runs --drain-requests generations of --drain-tokens tokens; once each streamed 32 tokens, D1 is asked
-   to move all of its requests (the gateway picks where: D2), and the time until D1 runs none is compared with the
-   time the same generations take to finish unmoved.
+2. drain: D1 runs --drain-requests generations of --drain-tokens tokens; once each streamed 32 tokens, D1 gets
+   SIGTERM (it drains: its requests move to D2, the gateway picking where) and the time until D1 runs none of them
+   (and until its process exits) is set against the time the same generations take to finish unmoved.
 3. bystanders: --bystanders streams on each of D1 and D2 (sent to them directly), and a 2k-token request moved from
    D1 to D2: the bystanders' mean inter-token time while the move runs against the same stretch just before it.
 
@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import statistics
 import sys
 import threading
@@ -100,12 +101,11 @@ class Fleet:
     def __init__(self, servers: H.Servers, model: Path, args: argparse.Namespace) -> None:
         common = ["--max-model-len", str(args.max_model_len), "--num-kv-blocks", str(args.kv_blocks),
                   "--threads", "1", "--max-num-batched-tokens", "2048", "--served-model-name", "m"]
-        self.servers = servers
-        servers.instance("P", model, *common, "--no-enable-prefix-caching",
-                         "--kv-transfer-config", H.kv_config("kv_producer"))
+        self.servers, self.model, self.common = servers, model, [*common, "--no-enable-prefix-caching"]
+        self.kv = H.kv_config("kv_consumer", args.plane)
+        servers.instance("P", model, *self.common, "--kv-transfer-config", H.kv_config("kv_producer"))
         for name in ("D1", "D2"):
-            servers.instance(name, model, *common, "--no-enable-prefix-caching",
-                             "--kv-transfer-config", H.kv_config("kv_consumer", args.plane))
+            servers.instance(name, model, *self.common, "--drain-timeout", "120", "--kv-transfer-config", self.kv)
         self.gw = servers.gateway("G", "--protocol", "pull", "--prefill", servers.url("P"), "--decode",
                                   servers.url("D1"), servers.url("D2"), "--admin-token", ADMIN,
                                   "--idle-timeout", "600").url
@@ -124,6 +124,13 @@ class Fleet:
     def both(self, client: Any) -> None:
         for name in ("D1", "D2"):
             self.admin(client, "/register", {"url": self.url(name), "role": "decode"})
+
+    def restart_d1(self, client: Any) -> None:
+        """D1 exited after its drain: a new D1 takes its place (at a new address)."""
+        old = self.url("D1")
+        self.servers.instance("D1", self.model, *self.common, "--drain-timeout", "120", "--kv-transfer-config", self.kv)
+        self.admin(client, "/deregister", {"url": old})
+        self.admin(client, "/register", {"url": self.url("D1"), "role": "decode"})
 
     def serving(self, client: Any, request_id: str) -> str:
         events = H.timeline_events(client, self.gw, request_id)
@@ -159,24 +166,29 @@ def stop_run(fleet: Fleet, client: Any, gen: random.Random, length: int, mode: s
 
 
 def drain_run(fleet: Fleet, client: Any, gen: random.Random, args: argparse.Namespace, move: bool) -> dict[str, Any]:
-    """The time D1 needs to run none of its requests: moving them all (to D2), or letting them finish."""
+    """D1 drains (SIGTERM: its running requests move to D2) against no drain (they finish on D1): the time until
+    D1 runs none of them, and (drained) until its process exited."""
     fleet.only(client, "D1")
     streams = [Streamer(f"{fleet.gw}/v1/completions", body(prompt_of(gen, 200), args.drain_tokens))
                for _ in range(args.drain_requests)]
     for stream in streams:
         stream.wait_tokens(32)
     fleet.both(client)
+    d1 = fleet.servers.procs["D1"]
     started = time.monotonic()
-    outcomes: list[str] = []
     if move:
-        r = client.post(f"{fleet.url('D1')}/v1/migrate", json={"count": args.drain_requests}, timeout=600)
-        outcomes = [x["outcome"] for x in r.json().get("data", [])] if r.status_code == 200 else [r.text]
-    while H.scrape(client, fleet.url("D1")).get("vllm:num_requests_running", 1) > 0:
+        d1.popen.send_signal(signal.SIGTERM)
+    while H.scrape(client, d1.url).get("vllm:num_requests_running", 1) > 0:
         time.sleep(0.01)
     seconds = time.monotonic() - started
+    exited = float("nan")
+    if move:
+        d1.popen.wait(120)
+        exited = time.monotonic() - started
+        fleet.restart_d1(client)
     for stream in streams:
         stream.join(600)
-    return {"moved": move, "seconds": seconds, "outcomes": outcomes, "errors": [s.error for s in streams if s.error],
+    return {"moved": move, "seconds": seconds, "exit_s": exited, "errors": [s.error for s in streams if s.error],
             "tokens": [len(s.times) for s in streams]}
 
 
@@ -226,8 +238,8 @@ def run(args: argparse.Namespace, servers: H.Servers, model: Path, meter: H.CpuM
                       f"{stops[-1]['stages']}, {stops[-1]['outcome']}) others {stops[-1]['others']:.2f}", flush=True)
     drains = [drain_run(fleet, client, gen, args, move) for move in (True, False)]
     for d in drains:
-        print(f"  drain of {args.drain_requests} x {args.drain_tokens} tokens, {'moved' if d['moved'] else 'finished'}: "
-              f"{d['seconds']:.2f} s {d['outcomes'][:3]} {d['errors'][:2]}", flush=True)
+        print(f"  {args.drain_requests} x {args.drain_tokens} tokens, {'drained' if d['moved'] else 'not drained'}: "
+              f"D1 runs none after {d['seconds']:.2f} s, exits after {d['exit_s']:.2f} s {d['errors'][:2]}", flush=True)
     bystanders = [bystander_run(fleet, client, gen, args) for _ in range(args.bystander_rounds)]
     for b in bystanders:
         print(f"  bystanders: move {b['move_ms']:.0f} ms; D1 {b['D1']['ratio']:.2f}x, D2 {b['D2']['ratio']:.2f}x", flush=True)
@@ -254,8 +266,9 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> None:
         cells = " | ".join(f"{H.fmt(row[m], '.1f'):>9s} ms {H.fmt(row[m + '_steps'], '.1f'):>6s} st" for m in args.modes)
         print(f"  {row['length']:6d} | {cells} | {H.fmt(row.get('live_source'), '.1f')} ms")
     moved, finished = result["drains"]
-    print(f"\ndrain of {args.drain_requests} generations of {args.drain_tokens} tokens: moved {moved['seconds']:.2f} s, "
-          f"finished unmoved {finished['seconds']:.2f} s ({finished['seconds'] / moved['seconds']:.0f}x)")
+    print(f"\ndrain of a D running {args.drain_requests} generations of {args.drain_tokens} tokens: its requests gone "
+          f"after {moved['seconds']:.2f} s (process exited after {moved['exit_s']:.2f} s, the 2 s linger included); "
+          f"finishing them takes {finished['seconds']:.2f} s ({finished['seconds'] / moved['seconds']:.0f}x)")
     ratios = {name: H.median([b[name]["ratio"] for b in result["bystanders"]]) for name in ("D1", "D2")}
     print(f"bystanders' TPOT during a move / before it (median of {len(result['bystanders'])}): "
           f"D1 {ratios['D1']:.2f}x, D2 {ratios['D2']:.2f}x")

@@ -48,7 +48,7 @@ class Fleet:
         decode_urls = [self.procs[name].url for name in decodes]
         self.gateway = start("gateway", ["gateway", "--port", "0", "--log-level", "warning", "--protocol", "pull",
                                          "--prefill", self.procs["P"].url, "--decode", *decode_urls,
-                                         "--admin-token", ADMIN, "--idle-timeout", "30"])
+                                         "--admin-token", ADMIN, "--idle-timeout", "30", "--retries", "2"])
 
     def _start(self, name: str, flags: list[str]) -> Process:
         self.flags[name] = flags

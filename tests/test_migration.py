@@ -83,11 +83,13 @@ def other(fleet: Fleet, name: str) -> str:
 
 
 def moved(fleet: Fleet, request: dict, to: str | None = None, path: str = "/v1/completions", after: int = 15,
-          **extra) -> tuple[dict, dict, str]:
-    """Stream `request`, move it after `after` events (to `to`, else the other decode instance): (what the
-    client got, the gateway's answer to the move, the instance it ran on first)."""
+          joining: tuple[str, ...] | list[str] = (), **extra) -> tuple[dict, dict, str]:
+    """Stream `request`, move it after `after` events (to `to`, else the other decode instance, once the instances
+    `joining` joined the gateway): (what the client got, the gateway's answer to the move, where it ran first)."""
     stream = Stream(fleet, request, path)
     stream.wait_for_events(after)
+    for url in joining:
+        httpx.post(f"{fleet.gateway.url}/register", json={"url": url, "role": "decode"}, headers=AUTH)
     source = fleet.serving(stream.request_id)
     r = fleet.migrate(stream.request_id, to or other(fleet, source), **extra)
     assert r.status_code == 200, r.text
@@ -99,15 +101,15 @@ def moved(fleet: Fleet, request: dict, to: str | None = None, path: str = "/v1/c
 def test_moved_stream_equals_unmoved(fleet, spare, plane):
     request = body(seed=1, return_token_ids=True)
     expected = unmoved(fleet, request)
-    target = None
-    if plane != "shm":  # D1 and D2 read over shm (the first plane that connects); these read only over theirs
-        target = plane
-        httpx.post(f"{fleet.gateway.url}/register", json={"url": fleet[plane].url, "role": "decode"}, headers=AUTH)
+    # D1 and D2 read over shm (the first plane that connects); the others read only over theirs, and join once the
+    # request runs (on D1 or D2).
+    target = None if plane == "shm" else plane
+    joins = [] if target is None else [fleet[plane].url]
     try:
-        got, outcome, source = moved(fleet, request, to=target)
+        got, outcome, source = moved(fleet, request, to=target, joining=joins)
     finally:
-        if target is not None:
-            httpx.post(f"{fleet.gateway.url}/deregister", json={"url": fleet[plane].url}, headers=AUTH)
+        for url in joins:
+            httpx.post(f"{fleet.gateway.url}/deregister", json={"url": url}, headers=AUTH)
     assert outcome["outcome"] == "handed_over", outcome
     assert outcome["stages"] >= 2, "the KV moved in stages while the request decoded on"
     assert_same(got, expected)
@@ -154,9 +156,10 @@ def test_moves_twice_and_back(fleet):
 
 def test_json_answer_of_a_moved_request_is_whole(fleet):
     """A non-streaming request moves too: the last instance answers with everything from the first token."""
-    request = {**body(seed=4), "stream": False, "return_token_ids": True}
+    streamed = body(seed=4, return_token_ids=True)
+    expected = unmoved(fleet, streamed)
+    request = {**streamed, "stream": False}
     del request["stream_options"]
-    expected = unmoved(fleet, {**request, "stream": True})
     request_id, answer = uuid.uuid4().hex, {}
 
     def ask() -> None:

@@ -113,6 +113,9 @@ def adopt(engine: LLMEngine, rid: ReqId, state: RequestState, blocks: list[KVBlo
     request.output_token_ids = list(state.output_token_ids)
     request.output_logprobs = [TokenLogprobs(lp.token_id, lp.logprob, lp.rank, list(lp.top_ids),
                                              list(lp.top_logprobs)) for lp in state.logprobs]
+    if state.sampling.logprobs is not None and not state.logprobs:
+        # A stream's client has these tokens' logprobs already: they keep the places of the ones to come.
+        request.output_logprobs = [TokenLogprobs(t, 0.0, 0, [], []) for t in state.output_token_ids]
     request.num_cached_tokens = state.num_cached_tokens
     request.first_token_time = request.last_token_time = time.monotonic()  # its first token was the source's
     request.mark("migrated_in", tokens=computed)

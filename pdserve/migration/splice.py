@@ -177,7 +177,9 @@ class _Spliced:
 
     async def _resume(self, target: Instance) -> Marker | None:
         self.pending = None
-        cont = Continue(phase="resume", cursor=self.cursor, output_token_ids=self.tokens, logprobs=self.logprobs,
+        # A stream's client has the logprobs of the tokens it was sent: only a JSON answer needs them again.
+        logprobs = self.logprobs if len(self.logprobs) == len(self.tokens) else []
+        cont = Continue(phase="resume", cursor=self.cursor, output_token_ids=self.tokens, logprobs=logprobs,
                         num_cached_tokens=self.cached)
         marker = await self._leg("decode", target, cont, tracked=False)
         self.splicer.outcomes.labels("resumed").inc()
