@@ -10,12 +10,12 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from peers import reserved_port
 from server_utils import wait_for
 
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
@@ -23,12 +23,6 @@ ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 
 def available() -> bool:
     return os.access(ETCD, os.X_OK)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
@@ -74,7 +68,7 @@ class EtcdCluster:
     def __post_init__(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         for i in range(self.size):
-            self.members.append(Member(f"m{i}", free_port(), free_port(), self.root / f"m{i}",
+            self.members.append(Member(f"m{i}", reserved_port(), reserved_port(), self.root / f"m{i}",
                                        self.root / f"m{i}.log"))
 
     @property

@@ -22,8 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from tests.peers import free_port
+from peers import reserved_port
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 FIXED_PORTS = ("8000", "8001", "8100", "8200", "2379", "2380")
@@ -67,7 +66,7 @@ def listening(port: int) -> bool:
 
 
 def run_block(block: str, tmp_path: Path) -> str:
-    ports = {port: str(free_port()) for port in FIXED_PORTS}
+    ports = {port: str(reserved_port()) for port in FIXED_PORTS}
     script = block.replace(".venv/bin/pdserve", f"{shlex.quote(sys.executable)} -m pdserve")
     script = re.sub(r"\b(%s)\b" % "|".join(FIXED_PORTS), lambda m: ports[m.group(1)], script)
     script = re.sub(r"(?<![\w/])models/", f"{tmp_path}/models/", script)

@@ -20,6 +20,7 @@ from pdserve.membership.record import ROLES, MemberRecord, RecordError, normalis
 from pdserve.net.http_client import HttpClient, HttpPool, UpstreamError, UpstreamTimeout
 
 log = logging.getLogger(__name__)
+_DRAIN_HEADERS = frozenset({DRAINING_HEADER})  # the one upstream header the gateway reads: on /health probes
 
 _LOAD_METRICS = {b"vllm:num_requests_running": "running", b"vllm:num_requests_waiting": "waiting",
                  b"vllm:kv_cache_usage_perc": "kv_usage"}
@@ -103,6 +104,10 @@ class Registry:
     def usable(self, role: str) -> list[Instance]:
         return [i for i in self.instances.values() if i.healthy and i.serves(role)]
 
+    def signature(self) -> tuple:
+        """Everything `usable` and pairing read, per instance: equal signatures, equal answers (a cache key)."""
+        return tuple((i, i.role, i.breaker.state, i.draining, i.caps) for i in self.instances.values())
+
     def has_route(self, needs: tuple[str, ...]) -> bool:
         return all(self.usable(role) for role in needs)
 
@@ -148,7 +153,8 @@ class Registry:
     async def _check(self, instance: Instance) -> str:
         """One health check: "" if the instance is fit for traffic, else why not. A draining instance is fit
         (it finishes what it runs) but takes no new work: that is membership, not health."""
-        response = await instance.pool.request("GET", "/health", connect_timeout=self.health.probe_timeout_s)
+        response = await instance.pool.request("GET", "/health", connect_timeout=self.health.probe_timeout_s,
+                                               read_headers=_DRAIN_HEADERS)
         await response.read()
         draining = response.header(DRAINING_HEADER) is not None
         if draining != instance.draining:

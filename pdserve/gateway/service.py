@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from pdserve.gateway.call import Call, Deadlines, LegError, Stage
+from pdserve.gateway.call import KV_PARAMS_REFUSED, Call, Deadlines, LegError, Stage
 from pdserve.gateway.conditional import ConditionalDisagg
 from pdserve.gateway.encode import EncodeFanout
 from pdserve.gateway.forwarders import make_forwarder
@@ -150,8 +150,8 @@ class Gateway:
     def pick(self, role: str, excluded: set[str], affinity: bytes, partner: Instance | None = None) -> Instance:
         """An instance for `role`; in a disaggregated protocol, one that can exchange KV with `partner` (or, for
         the first of a pair, with some healthy instance of the other role)."""
-        usable = self.pairing.eligible(role, self.registry.usable(role), partner)
-        candidates = [i for i in usable if i.url not in excluded] or usable
+        usable = self.pairing.candidates(role, partner)
+        candidates = ([i for i in usable if i.url not in excluded] or usable) if excluded else usable
         if not candidates:
             raise NoInstanceError(self.pairing.why_none(role, partner))
         return self.policies[role].pick(candidates, affinity)
@@ -192,7 +192,8 @@ class Gateway:
             timeline.finish(outcome=outcome)
 
     async def _attempts(self, call: Call) -> str:
-        for attempt in range(self.config.retries + 1):
+        retries_left = self.config.retries
+        while True:
             call.new_attempt()
             try:
                 await self.forwarder.run(call)
@@ -202,16 +203,31 @@ class Gateway:
                 return "no_instance"
             except LegError as exc:
                 self.metrics.failures.labels(exc.leg, exc.reason).inc()
+                if exc.reason == KV_PARAMS_REFUSED and not call.without_kv and not call.first_byte_sent:
+                    self._without_kv(call, exc)
+                    continue
                 self._abandon(call)
                 if exc.instance is not None:
                     call.excluded.add(exc.instance.url)
-                if exc.retryable and not call.first_byte_sent and attempt < self.config.retries:
+                if exc.retryable and not call.first_byte_sent and retries_left > 0:
+                    retries_left -= 1
                     self.metrics.retries.labels(exc.leg, exc.reason).inc()
                     log.info("request %s: %s; retrying on another pair", call.request_id, exc)
                     continue
                 await self._fail(call, exc.status, _body_of(exc))
                 return f"{exc.leg}_failed"
-        return "error"
+
+    def _without_kv(self, call: Call, exc: LegError) -> None:
+        """An instance refused the KV parameters the gateway wrote (a mismatch between instances, or between the
+        gateway and one): the next attempt sends D the client's own body, D computes the prompt, and the client
+        gets its answer rather than an error about parameters it never sent. What P may hold is freed now."""
+        log.warning("request %s: %s; D computes the prompt itself", call.request_id, exc)
+        prefill = call.picks.get("prefill")
+        if prefill is not None and call.held is None and call.stage is not Stage.CREATED:
+            self.release_transfer(prefill, call.transfer_id)  # pull holds call.held, freed by end_attempt
+        call.end_attempt()
+        call.without_kv = True
+        self.metrics.decision("local_prefill", f"{exc.leg}_refused_kv_params")
 
     def _abandon(self, call: Call) -> None:
         """End this attempt's legs; if P was prefilling, make sure nothing it may have held stays held."""

@@ -25,6 +25,7 @@ from pdserve.ids import ReqId, make_internal_request_id
 from pdserve.kv_transfer.params import RemoteDecode, RemotePrefill
 from pdserve.migration.service import MOVED, Leg, Migrations
 from pdserve.migration.wire import MARKER, TOKENS, MigrationError, MovedOn
+from pdserve.net.headers import bounded_list
 from pdserve.multimodal.prompt import IMAGE_PART_TYPES, MultimodalInputError, MultimodalPrompter
 from pdserve.sampling_params import SamplingParams, SamplingParamsError
 from pdserve.server.errors import OpenAIError, bad_request, error_body
@@ -215,7 +216,10 @@ class OpenAIServing:
             origin.access.usage = lambda: _usage(prompts, sequences)
         if headers is not None:
             # The instance's own ids (external id + random suffix): useful in logs, never shared between P and D.
-            headers["X-Pdserve-Request-Ids"] = ",".join(internal_ids)
+            # As many as fit a header; all of them are in the timeline.
+            headers["X-Pdserve-Request-Ids"], omitted = bounded_list(internal_ids)
+            if omitted:
+                headers["X-Pdserve-Request-Ids-Omitted"] = str(omitted)
         created = int(time.time())
         leg = None
         if self.migration is not None and origin.spliced and len(sequences) == 1 and not prompts[0].mm_items:
