@@ -8,8 +8,9 @@ max_position_embeddings raised to --max-model-len.
    L - 40 tokens, moved once 32 tokens streamed) from the decode instance it runs on to the other, by live
    migration (a multi-stage copy while it decodes, then a stop for the last blocks), by stop-copy-resume (stop,
    copy everything, resume) and by recompute on the new instance (modes of POST /admin/migrate), rounds rotating the
-   order. The stop seen by the client = the largest gap between two consecutive tokens of that request minus the
-   median gap of the same request. Also shown: the source's own stop (paused to handed over) and the stages.
+   order. The stop seen by the client = the largest gap between two consecutive chunks of that request minus the
+   request's median time per token (a chunk's gap over the tokens it carries). Also shown: the source's own stop
+   (paused to handed over) and the stages.
 2. drain: D1 runs --drain-requests generations of --drain-tokens tokens; once each streamed 32 tokens, D1 gets
    SIGTERM (it drains: its requests move to D2, the gateway picking where) and the time until D1 runs none of them
    (and until its process exits) is set against the time the same generations take to finish unmoved.
@@ -18,6 +19,7 @@ max_position_embeddings raised to --max-model-len.
 
   .venv/bin/python bench/migration.py --quick                           # smoke run (h256, short)
   .venv/bin/python bench/migration.py --json bench/out/migration.json   # the recorded run
+  .venv/bin/python bench/migration.py --parts drain,bystanders           # some of the measurements
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import harness as H  # noqa: E402
 ADMIN = "bench-migration-admin"
 AUTH = {"Authorization": f"Bearer {ADMIN}"}
 MODES = ("live", "stop-copy", "recompute")
+PARTS = ("stops", "drain", "bystanders")
 
 
 def make_model(work: Path, preset: str, max_pos: int) -> Path:
@@ -61,7 +64,8 @@ class Streamer(threading.Thread):
         super().__init__(daemon=True)
         self.url, self.body = url, body
         self.request_id = request_id or uuid.uuid4().hex
-        self.times: list[float] = []
+        self.times: list[float] = []  # one entry per token (a loaded instance may send several in one chunk)
+        self.chunks: list[tuple[float, int]] = []  # (arrival, tokens) per chunk
         self.error = ""
         self.closed = False
         self.client: Any = None
@@ -75,7 +79,9 @@ class Streamer(threading.Thread):
                 if "choices" not in chunk:
                     self.error = data[:300]
                 elif chunk["choices"]:
-                    self.times.append(t)
+                    count = sum(len(c.get("token_ids") or []) for c in chunk["choices"])
+                    self.chunks.append((t, count))
+                    self.times.extend([t] * count)
         except Exception as exc:  # noqa: BLE001 - reported with the run
             if not self.closed:
                 self.error = f"{type(exc).__name__}: {exc}"
@@ -94,7 +100,12 @@ class Streamer(threading.Thread):
             time.sleep(0.002)
 
     def gaps(self) -> list[float]:
-        return [b - a for a, b in zip(self.times, self.times[1:])]
+        """The time between consecutive chunks, each over the tokens its later chunk carries: one token a chunk,
+        unless the instance fell behind the client and sent several at once."""
+        return [(b - a) / max(n, 1) for (a, _), (b, n) in zip(self.chunks, self.chunks[1:])]
+
+    def largest_gap(self) -> float:
+        return max(b - a for (a, _), (b, _) in zip(self.chunks, self.chunks[1:]))
 
 
 class Fleet:
@@ -140,7 +151,7 @@ class Fleet:
 
 def body(prompt: list[int], max_tokens: int) -> dict:
     return {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+            "stream": True, "return_token_ids": True}
 
 
 def prompt_of(gen: random.Random, n: int) -> list[int]:
@@ -158,10 +169,10 @@ def stop_run(fleet: Fleet, client: Any, gen: random.Random, length: int, mode: s
     others = meter.since_mark()["others"]
     stream.join(600)
     answer = r.json()["data"][0] if r.status_code == 200 else {"outcome": f"status {r.status_code}: {r.text}"}
-    gaps = stream.gaps()
+    step, largest = statistics.median(stream.gaps()), stream.largest_gap()
     return {"length": length, "mode": mode, "outcome": answer["outcome"], "error": stream.error,
-            "tokens": len(stream.times), "stop_ms": (max(gaps) - statistics.median(gaps)) * 1e3,
-            "max_gap_ms": max(gaps) * 1e3, "step_ms": statistics.median(gaps) * 1e3,
+            "tokens": len(stream.times), "stop_ms": (largest - step) * 1e3,
+            "max_gap_ms": largest * 1e3, "step_ms": step * 1e3,
             "source_stop_ms": answer.get("stop_s", 0.0) * 1e3, "stages": answer.get("stages", 0), "others": others}
 
 
@@ -197,15 +208,16 @@ def bystander_run(fleet: Fleet, client: Any, gen: random.Random, args: argparse.
     bystanders = {name: [Streamer(f"{fleet.url(name)}/v1/completions", body(prompt_of(gen, 100), 4000))
                          for _ in range(args.bystanders)] for name in ("D1", "D2")}
     fleet.only(client, "D1")
-    moving = Streamer(f"{fleet.gw}/v1/completions", body(prompt_of(gen, 2000), 200))
+    moving = Streamer(f"{fleet.gw}/v1/completions", body(prompt_of(gen, min(2000, args.max_model_len - 300)), 200))
     moving.wait_tokens(32)
     fleet.both(client)
     time.sleep(1.0)  # the bystanders' steady state
     t0 = time.monotonic()
-    fleet.admin(client, "/admin/migrate", {"request_id": moving.request_id, "to": fleet.url("D2")})
+    r = fleet.admin(client, "/admin/migrate", {"request_id": moving.request_id, "to": fleet.url("D2")})
     t1 = time.monotonic()
     moving.join(600)
-    out: dict[str, Any] = {"move_ms": (t1 - t0) * 1e3}
+    outcome = r.json()["data"][0]["outcome"] if r.status_code == 200 else f"status {r.status_code}: {r.text[:200]}"
+    out: dict[str, Any] = {"move_ms": (t1 - t0) * 1e3, "outcome": outcome}
     for name, streams in bystanders.items():
         during = _mean_gap(streams, t0, t1)
         before = _mean_gap(streams, t0 - max(t1 - t0, 0.3), t0)
@@ -229,20 +241,21 @@ def run(args: argparse.Namespace, servers: H.Servers, model: Path, meter: H.CpuM
     warm = stop_run(fleet, client, gen, args.lengths[0], "live", meter)
     print(f"  warm-up: {warm['outcome']}, step {warm['step_ms']:.1f} ms", flush=True)
     stops = []
-    for rep, order in H.rotations(list(args.modes), args.reps):
+    for rep, order in H.rotations(list(args.modes), args.reps if "stops" in args.parts else 0):
         for length in args.lengths:
             for mode in order:
                 stops.append({**stop_run(fleet, client, gen, length, mode, meter), "rep": rep})
                 print(f"  [{rep + 1}/{args.reps}] L={length:5d} {mode:9s} stop {stops[-1]['stop_ms']:8.1f} ms "
                       f"(step {stops[-1]['step_ms']:.1f}, source {stops[-1]['source_stop_ms']:.1f}, stages "
                       f"{stops[-1]['stages']}, {stops[-1]['outcome']}) others {stops[-1]['others']:.2f}", flush=True)
-    drains = [drain_run(fleet, client, gen, args, move) for move in (True, False)]
+    drains = [drain_run(fleet, client, gen, args, move) for move in (True, False) if "drain" in args.parts]
     for d in drains:
         print(f"  {args.drain_requests} x {args.drain_tokens} tokens, {'drained' if d['moved'] else 'not drained'}: "
               f"D1 runs none after {d['seconds']:.2f} s, exits after {d['exit_s']:.2f} s {d['errors'][:2]}", flush=True)
-    bystanders = [bystander_run(fleet, client, gen, args) for _ in range(args.bystander_rounds)]
+    bystanders = [bystander_run(fleet, client, gen, args)
+                  for _ in range(args.bystander_rounds if "bystanders" in args.parts else 0)]
     for b in bystanders:
-        print(f"  bystanders: move {b['move_ms']:.0f} ms; D1 {b['D1']['ratio']:.2f}x, D2 {b['D2']['ratio']:.2f}x", flush=True)
+        print(f"  bystanders: move {b['move_ms']:.0f} ms ({b['outcome']}); D1 {b['D1']['ratio']:.2f}x, D2 {b['D2']['ratio']:.2f}x", flush=True)
     return {"stops": stops, "rows": rows(stops, args), "drains": drains, "bystanders": bystanders}
 
 
@@ -260,18 +273,22 @@ def rows(stops: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str
 
 
 def report(result: dict[str, Any], args: argparse.Namespace) -> None:
-    print("\nstop seen by the client (median over rounds; ms, and in decode steps):")
-    print("  length | " + " | ".join(f"{m:>22s}" for m in args.modes) + " | live source stop")
-    for row in result["rows"]:
+    if result["stops"]:
+        print("\nstop seen by the client (median over rounds; ms, and in decode steps):")
+        print("  length | " + " | ".join(f"{m:>22s}" for m in args.modes) + " | live source stop")
+    for row in result["rows"] if result["stops"] else []:
         cells = " | ".join(f"{H.fmt(row[m], '.1f'):>9s} ms {H.fmt(row[m + '_steps'], '.1f'):>6s} st" for m in args.modes)
         print(f"  {row['length']:6d} | {cells} | {H.fmt(row.get('live_source'), '.1f')} ms")
-    moved, finished = result["drains"]
-    print(f"\ndrain of a D running {args.drain_requests} generations of {args.drain_tokens} tokens: its requests gone "
-          f"after {moved['seconds']:.2f} s (process exited after {moved['exit_s']:.2f} s, the 2 s linger included); "
-          f"finishing them takes {finished['seconds']:.2f} s ({finished['seconds'] / moved['seconds']:.0f}x)")
-    ratios = {name: H.median([b[name]["ratio"] for b in result["bystanders"]]) for name in ("D1", "D2")}
-    print(f"bystanders' TPOT during a move / before it (median of {len(result['bystanders'])}): "
-          f"D1 {ratios['D1']:.2f}x, D2 {ratios['D2']:.2f}x")
+    if result["drains"]:
+        moved, finished = result["drains"]
+        print(f"\ndrain of a D running {args.drain_requests} generations of {args.drain_tokens} tokens: its requests "
+              f"gone after {moved['seconds']:.2f} s (process exited after {moved['exit_s']:.2f} s, the 2 s linger "
+              f"included); finishing them takes {finished['seconds']:.2f} s "
+              f"({finished['seconds'] / moved['seconds']:.0f}x)")
+    if result["bystanders"]:
+        ratios = {name: H.median([b[name]["ratio"] for b in result["bystanders"]]) for name in ("D1", "D2")}
+        print(f"bystanders' TPOT during a move / before it (median of {len(result['bystanders'])}): "
+              f"D1 {ratios['D1']:.2f}x, D2 {ratios['D2']:.2f}x")
 
 
 def main() -> None:
@@ -287,6 +304,8 @@ def main() -> None:
     parser.add_argument("--drain-tokens", type=int, default=1000)
     parser.add_argument("--bystanders", type=int, default=4)
     parser.add_argument("--bystander-rounds", type=int, default=5)
+    parser.add_argument("--parts", type=lambda v: v.split(","), default=list(PARTS),
+                        help="which measurements to run (default: all): " + ",".join(PARTS))
     parser.add_argument("--quick", action="store_true", help="h256, short lengths, one round: a smoke run")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
