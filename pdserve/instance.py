@@ -23,6 +23,8 @@ from pdserve.kv_transfer.layouts import PDSERVE
 from pdserve.membership.drain import DrainState
 from pdserve.membership.member import InstanceMember, MemberOptions
 from pdserve.membership.record import MemberRecord
+from pdserve.migration.routes import add_routes as add_migration_routes
+from pdserve.migration.service import Migrations
 from pdserve.multimodal.media import MediaPolicy
 from pdserve.multimodal.prompt import MultimodalPrompter
 from pdserve.net.auth import bearer_header
@@ -63,6 +65,8 @@ class Instance:
         self.async_engine = AsyncEngine(self.engine, request_timeout_s, on_fatal=_exit_now)
         self.workers = WorkerPool()  # tokenizing and image decoding, off the event loop
         self.kv_events: KVEventPublisher | None = None
+        self.api_key = api_key
+        self.migrations: Migrations | None = None  # running requests that move between decode instances
 
     async def start(self, advertised_host: str = "127.0.0.1") -> FastAPI:
         if self.kv_events_config.enabled and self.config.role != "encode":
@@ -77,6 +81,10 @@ class Instance:
         bundle = self.connectors
         if bundle is not None:
             await bundle.start(self.async_engine, advertised_host)
+            if self.config.role in ("decode", "both"):
+                self.migrations = Migrations(self.async_engine, bundle, self.engine.tokenizer, self._kv_role(),
+                                             self.config.model_name, self.timelines, bearer_header(self.api_key))
+                self.migrations.start()
         if self.ec is not None and self._ec_produces():
             self.ec.start()
         serving = self._serving()
@@ -94,6 +102,8 @@ class Instance:
 
         if self.connectors is not None:
             self._transfer_routes(app)
+        if self.migrations is not None:
+            add_migration_routes(app, self.migrations)
 
     def info(self) -> InstanceInfo:
         bundle = self.connectors
@@ -117,7 +127,10 @@ class Instance:
         bundle, engine = self.connectors, self.engine
         state = DrainState(bundle.held_for_others if bundle else (lambda: 0),
                            bundle.release_all_held if bundle else (lambda: 0), lambda: engine.kv.num_used_blocks)
-        return InstanceMember(options, lambda: record, state)
+        if self.migrations is None:
+            return InstanceMember(options, lambda: record, state)
+        # A decode instance moves its running requests to other decode instances (those that cannot move finish).
+        return InstanceMember(options, lambda: record, state, hand_off=self.migrations.hand_off)
 
     def _ec_produces(self) -> bool:
         return self.config.role == "encode" or self.config.ec_transfer_config.get("ec_role") in ("ec_producer",
@@ -133,7 +146,8 @@ class Instance:
         bundle = self.connectors
         return OpenAIServing(
             self.async_engine, self.config.model_name, self.engine.tokenizer, self.engine.max_model_len,
-            kv_params=bundle, prompter=prompter, role=self._kv_role(), timelines=self.timelines, workers=self.workers)
+            kv_params=bundle, prompter=prompter, role=self._kv_role(), timelines=self.timelines, workers=self.workers,
+            migration=self.migrations)
 
     def _kv_role(self) -> str:
         """The role this instance plays for KV: `--role`, or what `kv_role` in the transfer config implies."""
@@ -148,6 +162,8 @@ class Instance:
             sources.append(self.connectors.metrics)
         if self.ec is not None:
             sources.append(self.ec.stats)
+        if self.migrations is not None:
+            sources.append(self.migrations.metrics)
         if isinstance(serving, EncodeServing):
             sources.append(serving.stats)
         if self.kv_events is not None:
@@ -210,6 +226,8 @@ class Instance:
         return fields
 
     async def stop(self) -> None:
+        if self.migrations is not None:
+            self.migrations.stop()
         if self.connectors is not None:
             await self.connectors.stop()
         if self.ec is not None:

@@ -18,7 +18,7 @@ from typing import Any
 
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.output_processor import RequestOutput
-from pdserve.engine.request import MultiModalItem
+from pdserve.engine.request import MultiModalItem, RequestStatus
 from pdserve.ids import ReqId, make_internal_request_id
 from pdserve.kv_transfer.params import RemoteDecode, RemotePrefill
 from pdserve.sampling_params import SamplingParams
@@ -54,6 +54,7 @@ class _Add:
 @dataclass(slots=True)
 class _Abort:
     request_id: ReqId
+    status: RequestStatus = RequestStatus.FINISHED_ABORTED
 
 
 @dataclass(slots=True)
@@ -105,17 +106,49 @@ class AsyncEngine:
         """
         self.engine.check_prompt(prompt_token_ids)
 
-    async def generate(self, external_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       kv_transfer_params: RemoteDecode | RemotePrefill | None = None,
-                       mm_items: list[MultiModalItem] | None = None,
-                       request_id: ReqId | None = None,
-                       timeline: Timeline | None = None) -> AsyncIterator[RequestOutput]:
-        if self.dead is not None:
-            raise EngineDeadError(f"the engine stopped: {self.dead}")
+    def generate(self, external_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 kv_transfer_params: RemoteDecode | RemotePrefill | None = None,
+                 mm_items: list[MultiModalItem] | None = None,
+                 request_id: ReqId | None = None,
+                 timeline: Timeline | None = None) -> AsyncIterator[RequestOutput]:
+        """The request's outputs; it reaches the engine when they are first asked for."""
         rid = request_id or make_internal_request_id(external_id)
+        return self._consume(rid, None, _Add(rid, external_id, prompt_token_ids, params, kv_transfer_params,
+                                             mm_items, timeline))
+
+    def open_stream(self, request_id: ReqId) -> asyncio.Queue:
+        """Where the request's outputs go from now on, until a consumer `attach`es (outputs wait there)."""
         stream: asyncio.Queue = asyncio.Queue()
-        self._streams[rid] = stream
-        self._send(_Add(rid, external_id, prompt_token_ids, params, kv_transfer_params, mm_items, timeline))
+        self._streams[request_id] = stream
+        return stream
+
+    def close_stream(self, request_id: ReqId) -> None:
+        self._streams.pop(request_id, None)
+
+    def attach(self, request_id: ReqId) -> AsyncIterator[RequestOutput]:
+        """Consume the outputs of a request whose stream was opened (or detached) before; leaving early aborts it."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            raise KeyError(request_id)
+        return self._consume(request_id, stream)
+
+    def detach(self, request_id: ReqId, notice: RequestOutput) -> bool:
+        """End the current consumer's stream with `notice` (a finished output) while the request itself runs on:
+        its later outputs wait for the next `attach`. False if nobody consumes it here."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return False
+        self.open_stream(request_id)
+        stream.put_nowait(notice)
+        return True
+
+    async def _consume(self, rid: ReqId, stream: asyncio.Queue | None, add: _Add | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        if add is not None:
+            if self.dead is not None:
+                raise EngineDeadError(f"the engine stopped: {self.dead}")
+            stream = self.open_stream(rid)
+            self._send(add)
         finished = False
         try:
             while True:
@@ -131,12 +164,14 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            self._streams.pop(rid, None)
+            if self._streams.get(rid) is stream:  # not detached: nobody else will read this request
+                self._streams.pop(rid)
             if not finished:  # the consumer went away (client disconnect, cancellation, timeout)
                 self._send(_Abort(rid))
 
-    def abort(self, request_id: ReqId) -> None:
-        self._send(_Abort(request_id))
+    def abort(self, request_id: ReqId, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """End a request (aborted, or another final status such as migrated); its consumer gets the last output."""
+        self._send(_Abort(request_id, status))
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run `fn(engine)` between steps on the engine thread."""
@@ -193,7 +228,7 @@ class AsyncEngine:
             if isinstance(command, _Add):
                 self._add(command)
             elif isinstance(command, _Abort):
-                outputs = self.engine.abort_request(command.request_id)
+                outputs = self.engine.abort_request(command.request_id, command.status)
                 if outputs:
                     self._deliver_threadsafe(outputs)
             elif isinstance(command, _Call):

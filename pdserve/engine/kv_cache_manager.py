@@ -111,6 +111,26 @@ class KVCacheManager:
         self.req_hashes.pop(request_id, None)
         self.num_cached_blocks.pop(request_id, None)
 
+    def pin(self, request_id: ReqId, first: int, end: int) -> list[KVBlock]:
+        """Blocks [first, end) of a request's table, kept (one more reference each) until `release_blocks`, so
+        a copy that reads them stays valid whatever happens to the request meanwhile."""
+        blocks = self.req_blocks.get(request_id, [])[first:end]
+        self.pool.touch(blocks)
+        return blocks
+
+    def reserve(self, num_blocks: int) -> list[KVBlock] | None:
+        """Blocks for KV that arrives before its request does; the caller's until `adopt` or `release_blocks`."""
+        if num_blocks > self.pool.num_free_blocks:
+            return None
+        return self.pool.allocate(num_blocks)
+
+    def release_blocks(self, blocks: list[KVBlock]) -> None:
+        self.pool.release(list(reversed(blocks)))
+
+    def adopt(self, request_id: ReqId, blocks: list[KVBlock]) -> None:
+        """Reserved blocks become the request's table (their KV covers its first tokens)."""
+        self.req_blocks[request_id] = list(blocks)
+
     def evict(self, block_ids: list[int]) -> None:
         self.pool.evict(block_ids)
 

@@ -126,8 +126,9 @@ class LLMEngine:
         self.scheduler.add_request(request)
         return rid
 
-    def abort_request(self, request_id: ReqId) -> list[RequestOutput]:
-        ended = self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
+    def abort_request(self, request_id: ReqId, status: RequestStatus = RequestStatus.FINISHED_ABORTED
+                      ) -> list[RequestOutput]:
+        ended = self.scheduler.finish_requests([request_id], status)
         outputs, _ = self.output.process(ended)
         self.output.drop(request_id)
         return outputs

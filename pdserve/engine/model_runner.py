@@ -189,6 +189,24 @@ class ModelRunner:
             generator = self.generators[s.request_id] = torch.Generator().manual_seed(seed)
         return generator
 
+    def generator_state(self, request_id: ReqId) -> bytes | None:
+        """Where a seeded request's random stream stands (None before its first random sample)."""
+        generator = self.generators.get(request_id)
+        return None if generator is None else generator.get_state().numpy().tobytes()
+
+    def restore_generator(self, request_id: ReqId, seed: int, state: bytes | None, draws: int) -> None:
+        """Continue a seeded request's random stream where it stood on another instance: from its exact state,
+        or by replaying `draws` samples from the seed (a random sample draws one exponential per vocabulary
+        entry, as the sampler's race does)."""
+        generator = torch.Generator().manual_seed(seed)
+        if state is not None:
+            generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+        elif draws:
+            scratch = torch.empty(self.cfg.vocab_size, dtype=torch.float32)
+            for _ in range(draws):
+                scratch.exponential_(generator=generator)
+        self.generators[request_id] = generator
+
     def _prepare(self, batch: list[ScheduledRequest]
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[tuple[int, int]]]:
         """Flat inputs, attention metadata, and (batch index, last row) of every request that samples."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pdserve.engine.request import Request, RequestStatus, TokenLogprobs
 from pdserve.ids import ReqId
 from pdserve.kv_transfer.params import KVHandOff
+from pdserve.sampling_params import SamplingParams
 from pdserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -50,14 +51,23 @@ class OutputProcessor:
         self.states: dict[ReqId, _TextState | None] = {}
 
     def add_request(self, request: Request, detokenize: bool = True) -> None:
-        params = request.sampling_params
         if not detokenize or self.tokenizer is None:
             self.states[request.request_id] = None
             return
-        hold = 0 if params.include_stop_str_in_output else max(params.max_stop_string_length - 1, 0)
-        self.states[request.request_id] = _TextState(
-            detokenizer=self.tokenizer.detokenizer(request.prompt_token_ids, params.skip_special_tokens),
-            stop=params.stop, include_stop=params.include_stop_str_in_output, hold_back=hold)
+        self.states[request.request_id] = _text_state(self.tokenizer, request.prompt_token_ids,
+                                                      request.sampling_params)
+
+    def restore(self, request: Request, detokenize: bool = True) -> None:
+        """A request arriving with outputs its client was already sent elsewhere: the text state they leave,
+        with all of it emitted except what the stop strings hold back (it is sent from here)."""
+        self.add_request(request, detokenize)
+        state = self.states[request.request_id]
+        if state is None:
+            return
+        state.text = "".join(state.detokenizer.step(token_id) for token_id in request.output_token_ids)
+        state.checked_chars = len(state.text)
+        state.emitted_chars = max(len(state.text) - state.hold_back, 0)
+        state.emitted_tokens = request.num_output_tokens
 
     def process(self, requests: list[Request]) -> tuple[list[RequestOutput], list[ReqId]]:
         """Returns the outputs, and the requests a stop string just ended (the caller finishes them)."""
@@ -113,7 +123,9 @@ class OutputProcessor:
         finished = request.is_finished or stop_hit
         new_text = ""
         if state is not None:
-            visible = len(state.text) if finished else max(len(state.text) - state.hold_back, state.emitted_chars)
+            # A request that moved on to another instance keeps back what it held: that instance sends it.
+            flush = finished and request.status != RequestStatus.FINISHED_MIGRATED
+            visible = len(state.text) if flush else max(len(state.text) - state.hold_back, state.emitted_chars)
             new_text = state.text[state.emitted_chars:visible]
             state.emitted_chars = visible
             state.emitted_tokens = request.num_output_tokens
@@ -141,6 +153,21 @@ class OutputProcessor:
 
     def drop(self, request_id: ReqId) -> None:
         self.states.pop(request_id, None)
+
+
+def _text_state(tokenizer: Tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> _TextState:
+    hold = 0 if params.include_stop_str_in_output else max(params.max_stop_string_length - 1, 0)
+    return _TextState(detokenizer=tokenizer.detokenizer(prompt_token_ids, params.skip_special_tokens),
+                      stop=params.stop, include_stop=params.include_stop_str_in_output, hold_back=hold)
+
+
+def sent_text(tokenizer: Tokenizer, prompt_token_ids: list[int], output_token_ids: list[int],
+              params: SamplingParams) -> str:
+    """The text a client of a running request has been sent once these outputs were produced: all of their text
+    but what a stop string may yet need (held back until it cannot)."""
+    state = _text_state(tokenizer, prompt_token_ids, params)
+    text = "".join(state.detokenizer.step(token_id) for token_id in output_token_ids)
+    return text[:max(len(text) - state.hold_back, 0)]
 
 
 def _ended_by_stop_token(request: Request) -> bool:

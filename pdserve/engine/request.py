@@ -24,6 +24,8 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
     FINISHED_ERROR = enum.auto()
+    # Moved to another instance mid-generation (pdserve.migration): it goes on there, not here.
+    FINISHED_MIGRATED = enum.auto()
 
     @property
     def is_finished(self) -> bool:
@@ -39,6 +41,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
+    RequestStatus.FINISHED_MIGRATED: "migrated",
 }
 
 

@@ -73,6 +73,27 @@ class Scheduler:
         if self.connector is not None:
             self.connector.on_new_request(request)
 
+    def adopt(self, request: Request) -> None:
+        """A request that ran elsewhere arrives with its tokens (and, where KV came along, blocks computed up to
+        num_computed_tokens): it waits at the head of the queue and goes on from there (or recomputes)."""
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.appendleft(request)
+
+    def pause(self, request_id: ReqId) -> Request | None:
+        """Stop scheduling a running request between two decode steps (its blocks stay), so it can leave: the
+        last step sampled its newest token, whose KV the next step computes. None if it is not in that state."""
+        request = self.requests.get(request_id)
+        if request is None or request not in self.running or request.num_computed_tokens != request.num_tokens - 1:
+            return None
+        self.running.remove(request)
+        return request
+
+    def resume(self, request: Request) -> None:
+        """Schedule a paused request again: it did not leave after all."""
+        if not request.is_finished and request not in self.running:
+            self.running.append(request)
+
     # -- planning ---------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         self._fail_connector_rejected()

@@ -15,13 +15,15 @@ import msgspec
 from pdserve.gateway.registry import Instance
 from pdserve.membership.etcd_client import EtcdError
 from pdserve.membership.record import MemberRecord, check_record
+from pdserve.migration.control import ADMIN_PATH as MIGRATE_ADMIN_PATH
+from pdserve.migration.control import admin_migrate
 from pdserve.net.addresses import resolve
 from pdserve.net.auth import peer
 from pdserve.net.json_body import decode_object
 from pdserve.server.errors import error_body
 
 log = logging.getLogger(__name__)
-ADMIN_PATHS = frozenset({"/register", "/deregister"})
+ADMIN_PATHS = frozenset({"/register", "/deregister", MIGRATE_ADMIN_PATH})
 
 
 async def refused_target(url: str) -> str | None:
@@ -43,8 +45,11 @@ async def refused_target(url: str) -> str | None:
 
 
 async def membership(gateway: Any, scope: dict, body: bytes, path: str) -> tuple[int, dict[str, Any]]:
-    """Apply one register/deregister request; returns (status, JSON body). With a store (etcd), the change is
-    written through to it, so every gateway following the store sees it."""
+    """Apply one register/deregister (or migrate) request; returns (status, JSON body). With a store (etcd), the
+    change is written through to it, so every gateway following the store sees it."""
+    if path == MIGRATE_ADMIN_PATH:
+        log.info("admin: %s asks to move a request", peer(scope))
+        return await admin_migrate(gateway, body)
     try:
         data = decode_object(body)
         url = data.get("url")

@@ -24,6 +24,7 @@ from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.registry import Instance, Registry
 from pdserve.ids import TransferId, new_transfer_id
 from pdserve.kv_events.prompt import RoutedPrompt
+from pdserve.migration.wire import MARKER, MOVED_STATUS
 from pdserve.net.http_client import Response, UpstreamError, UpstreamTimeout
 from pdserve.telemetry.timeline import Timeline
 from pdserve.telemetry.tracing import new_span_id
@@ -89,6 +90,9 @@ class GatewayHandle(Protocol):
     def release_kv(self, instance: Instance, params: dict[str, Any], transfer_id: TransferId) -> None: ...
 
     def release_transfer(self, instance: Instance, transfer_id: TransferId) -> None: ...
+
+    @property
+    def splicer(self) -> Any: ...
 
 
 @dataclass(eq=False)
@@ -217,11 +221,15 @@ class Call:
         try:
             if response.status != 200:
                 raw = await response.read(d.first_token_s)
-                raise self._status_error(leg, instance, response.status, raw)
-            self.stage = Stage.STREAMING
-            if self.stream:
+                if response.status != MOVED_STATUS:
+                    raise self._status_error(leg, instance, response.status, raw)
+                self.held = None  # D loaded P's KV long ago: the request moved on, and the marker says where
+                await self.gateway.splicer.after_json(self, instance, raw)
+            elif self.stream:
+                self.stage = Stage.STREAMING
                 await self._relay_stream(leg, instance, response, sent_at)
             else:
+                self.stage = Stage.STREAMING
                 raw = await response.read(d.first_token_s)
                 self.held = None  # D answered: it loaded P's KV (and said read-done) or gave it up itself
                 self.timings["decode_first_token"] = time.monotonic() - sent_at
@@ -252,6 +260,9 @@ class Call:
                 await self.write(self.rewrite_usage(events))
         rest = framer.flush()
         if rest:
+            if rest.startswith(MARKER):  # no [DONE]: the request moved on, and the marker says where
+                await self.gateway.splicer.after_stream(self, instance, rest)
+                return
             await self.write(rest)
         await self.finish()
 

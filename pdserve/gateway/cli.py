@@ -77,11 +77,17 @@ def add_gateway_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
                         "/metrics stay open); also sent to instances unless --instance-api-key says otherwise")
     p.add_argument("--instance-api-key", default=None, metavar="KEY", help="the key the instances were started with")
     p.add_argument("--admin-token", default=None, metavar="TOKEN",
-                   help="allow /register and /deregister with 'Authorization: Bearer TOKEN' "
+                   help="allow /register, /deregister and /admin/migrate with 'Authorization: Bearer TOKEN' "
                         "(default: $PDSERVE_ADMIN_TOKEN; with neither this nor --admin-port they are off)")
     p.add_argument("--admin-port", type=int, default=None, metavar="PORT",
-                   help="serve /register and /deregister on 127.0.0.1:PORT (0 picks a free port)")
+                   help="serve the admin endpoints on 127.0.0.1:PORT (0 picks a free port)")
     add_discovery_flags(p)
+    p.add_argument("--rebalance", action=argparse.BooleanOptionalAction, default=None,
+                   help="move running requests off a decode instance whose KV use or queue exceeds another's")
+    p.add_argument("--rebalance-margin", type=float, default=None, metavar="FRACTION",
+                   help="KV use (a fraction of the cache) by which one must exceed the other (default 0.2)")
+    p.add_argument("--rebalance-queue-margin", type=float, default=None, metavar="REQUESTS",
+                   help="or waiting requests by which one must exceed the other (default 2)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
@@ -101,7 +107,7 @@ def load_config(args: argparse.Namespace) -> GatewayConfig:
                  "min_prompt_tokens", "prefix_threshold", "tokenizer", "allow_client_kv_params", "otlp_traces_endpoint",
                  "kv_events", "kv_overlap_weight", "kv_store_hit_weight", "kv_index_capacity",
                  "api_key", "instance_api_key", "admin_token", "admin_port", "max_request_body_bytes",
-                 *DISCOVERY_KEYS):
+                 "rebalance", "rebalance_margin", "rebalance_queue_margin", *DISCOVERY_KEYS):
         value = getattr(args, name)
         if value is not None:
             values[name] = value

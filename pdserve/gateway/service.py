@@ -29,6 +29,9 @@ from pdserve.membership.membership import Membership
 from pdserve.membership.metrics import MembershipCollector
 from pdserve.membership.record import MemberRecord, check_record
 from pdserve.membership.sources import KubernetesOptions, discovery_sources
+from pdserve.migration.control import Rebalancer
+from pdserve.migration.splice import Splicer
+from pdserve.migration.wire import SPLICE_HEADER
 from pdserve.net.auth import bearer_header, resolve_api_keys
 from pdserve.net.body import DEFAULT_MAX_BODY_BYTES
 from pdserve.net.http_client import HttpClient
@@ -70,9 +73,12 @@ class GatewayConfig:
     otlp_traces_endpoint: str | None = None
     api_key: list[str] = field(default_factory=list)  # clients must send one (else VLLM_API_KEY, if set)
     instance_api_key: str | None = None  # sent to instances (default: the first api_key)
-    admin_token: str | None = None  # Bearer token for /register and /deregister (else PDSERVE_ADMIN_TOKEN)
+    admin_token: str | None = None  # Bearer token for the admin endpoints (else PDSERVE_ADMIN_TOKEN)
     admin_port: int | None = None  # or serve them on this loopback port
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    rebalance: bool = False  # move requests off a decode instance whose KV use or queue exceeds another's
+    rebalance_margin: float = 0.2  # by this much KV use (a fraction of the cache)
+    rebalance_queue_margin: float = 2.0  # or by this many waiting requests
     discovery: str | None = None  # etcd://HOST:PORT[,...]/PREFIX, k8s[://NAMESPACE], or None: flags and /register
     discovery_relist_s: float = 30.0  # every backend lists the whole membership at least this often
     selector: str | None = None  # k8s: pods that match, their role from labels
@@ -92,7 +98,8 @@ class Gateway:
         self.deadlines = config.deadlines
         self.api_keys = resolve_api_keys(config.api_key)
         outbound = config.instance_api_key or (self.api_keys[0] if self.api_keys else None)
-        self.client = HttpClient(bearer_header(outbound))
+        # Every leg says that this gateway splices the stream of a request that moves to another instance.
+        self.client = HttpClient([*bearer_header(outbound), (SPLICE_HEADER, b"1")])
         health = HealthPolicy(config.breaker_failures, config.breaker_open_s, config.probe_interval_s,
                               config.health_timeout_s, config.liveness_window_s)
         self.registry = Registry(self.client, health, config.scrape_interval_s)
@@ -114,6 +121,9 @@ class Gateway:
         self.encoder = EncodeFanout(self)
         self.tracing = make_exporter(config.otlp_traces_endpoint, "pdserve-gateway")
         self.timelines = TimelineStore(self.tracing)
+        self.splicer = Splicer(self)
+        self.rebalancer = Rebalancer(self, config.rebalance_margin, config.rebalance_queue_margin) \
+            if config.rebalance else None
 
     def _kv_routing(self, config: GatewayConfig) -> KVRouting | None:
         if config.policy != KvAware.name:
@@ -143,8 +153,12 @@ class Gateway:
         self.registry.start()
         if self.kv_routing is not None:
             self.kv_routing.start()
+        if self.rebalancer is not None:
+            self.rebalancer.start()
 
     async def stop(self) -> None:
+        if self.rebalancer is not None:
+            await self.rebalancer.stop()
         if self.kv_routing is not None:
             await self.kv_routing.stop()
         await self.membership.stop()

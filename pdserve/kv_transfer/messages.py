@@ -55,6 +55,7 @@ class ReadGrant(Message, tag="read_grant"):
     key: str
     token: str
     block_ids: list[int]
+    prompt_hash: str = ""  # the sequence the reader expects the blocks to hold (leases bound to one check it)
 
 
 class ReadGrantReply(Message, tag="read_grant_reply"):

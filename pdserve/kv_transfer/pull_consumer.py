@@ -52,6 +52,7 @@ class LoadJob:
     vllm: bool = False
     first_token: int = 0
     num_tokens: int = 0
+    prompt_hash: str = ""  # the sequence this consumer expects the blocks to hold, for producers that bind them
 
 
 class PullConsumer:
@@ -63,6 +64,7 @@ class PullConsumer:
         self._lock = threading.Lock()
         self._completed: list[LoadResult] = []
         self._heartbeats: dict[Address, set[str]] = {}
+        self._after: set[asyncio.Task] = set()  # read-done and releases that follow a fetch
         self.vllm: VllmNixlConsumer | None = None  # set when this instance loads KV from vLLM prefill instances
 
     # -- engine thread -------------------------------------------------------------------------------------
@@ -101,14 +103,18 @@ class PullConsumer:
 
     # -- the agent's loop ----------------------------------------------------------------------------------
     async def _load(self, job: LoadJob) -> None:
+        self._finish(job, await self.fetch(job))
+
+    async def fetch(self, job: LoadJob) -> LoadResult:
+        """Read the granted blocks into ours; the bytes are in place (or the read surely over) when this returns,
+        and P hears read-done, or a release after a failure, right after."""
         started = time.monotonic()
         moving: list[Future] = []
         try:
             nbytes, invalid, plane = await asyncio.wait_for(self._read(job, moving), job.deadline_s)
         except Exception as exc:  # noqa: BLE001 - any failure must fail this load, never strand the request
             await self._wait_out(job, moving)
-            await self._failed(job, exc, started)
-            return
+            return self._failed(job, exc, started)
         seconds = time.monotonic() - started
         self.rt.stats.count_load(nbytes, seconds)
         self.rt.stats.blocks_invalid += len(invalid)
@@ -116,8 +122,16 @@ class PullConsumer:
             log.warning("KV load for %s: %d of %d blocks failed their checksum", job.request_id, len(invalid),
                         len(job.local_block_ids))
         # The bytes are in place: let the request run now, and tell P afterwards.
-        self._finish(job, LoadResult(job.request_id, ok=True, nbytes=nbytes, seconds=seconds,
-                                     invalid_blocks=invalid, plane=plane, started_at=started))
+        self._later(self._read_done(job))
+        return LoadResult(job.request_id, ok=True, nbytes=nbytes, seconds=seconds, invalid_blocks=invalid,
+                          plane=plane, started_at=started)
+
+    def _later(self, work: Any) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._after.add(task)
+        task.add_done_callback(self._after.discard)
+
+    async def _read_done(self, job: LoadJob) -> None:
         try:
             done = await self.peers.request(job.host, job.port, ReadDone(key=job.key, token=job.token))
             if isinstance(done, Ack) and not done.ok:
@@ -125,17 +139,17 @@ class PullConsumer:
         except Exception as exc:  # noqa: BLE001 - the load is done; P's lease covers a lost read-done
             log.warning("read-done for %s not delivered (%s); P's lease will expire", job.key, exc)
 
-    async def _failed(self, job: LoadJob, exc: Exception, started: float) -> None:
+    def _failed(self, job: LoadJob, exc: Exception, started: float) -> LoadResult:
         error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         log.log(logging.WARNING if isinstance(exc, _EXPECTED) else logging.ERROR,
                 "KV load for %s from %s:%d failed: %s", job.request_id, job.host, job.port, error,
                 exc_info=not isinstance(exc, _EXPECTED))
         self.rt.stats.loads_failed += 1
         fatal = isinstance(exc, TransferRefused) and exc.refusal == "denied"
-        self._finish(job, LoadResult(job.request_id, ok=False, error=error, fatal=fatal, started_at=started))
         if isinstance(exc, (SideChannelError, ConnectionError, OSError)):
             self.peers.drop((job.host, job.port))
-        await self.peers.release(job.host, job.port, job.key, job.token, "load failed")
+        self._later(self.peers.release(job.host, job.port, job.key, job.token, "load failed"))
+        return LoadResult(job.request_id, ok=False, error=error, fatal=fatal, started_at=started)
 
     def _finish(self, job: LoadJob, result: LoadResult) -> None:
         self.unwatch(job.host, job.port, job.key)
@@ -165,8 +179,8 @@ class PullConsumer:
     async def _read(self, job: LoadJob, moving: list[Future]) -> tuple[int, list[int], str]:
         """Copy the granted blocks; returns (bytes, local blocks whose checksum did not match, data plane)."""
         peer = await self.peers.peer(job.host, job.port, job.engine_id)
-        grant = await self.peers.request(
-            job.host, job.port, ReadGrant(key=job.key, token=job.token, block_ids=list(job.remote_block_ids)))
+        grant = await self.peers.request(job.host, job.port, ReadGrant(
+            key=job.key, token=job.token, block_ids=list(job.remote_block_ids), prompt_hash=job.prompt_hash))
         if not isinstance(grant, ReadGrantReply):
             raise DataPlaneError(getattr(grant, "error", "") or "unexpected answer to a read grant")
         if not grant.ok:

@@ -42,6 +42,7 @@ class Lease:
     expires_at: float
     transfer_id: TransferId | None = None
     vllm: bool = False  # mirror blocks a vLLM decoder reads with NIXL: never granted on pdserve's planes
+    prompt_hash: str = ""  # set: a grant must name this sequence (the blocks hold its KV and no other's)
 
 
 class PullProducer:
@@ -58,7 +59,7 @@ class PullProducer:
 
     # -- engine thread -------------------------------------------------------------------------------------
     def hold(self, key: str, token: str, block_ids: list[int], transfer_id: TransferId | None = None,
-             vllm: bool = False) -> None:
+             vllm: bool = False, prompt_hash: str = "") -> None:
         """Keep these blocks for a consumer until read-done, release or lease expiry."""
         with self._lock:
             early = self._early_notices.pop(key, None)
@@ -68,7 +69,7 @@ class PullProducer:
                 self._released.add(key)
                 return
             self._leases[key] = Lease(key, token, frozenset(block_ids), time.monotonic() + self.rt.config.lease_s,
-                                      transfer_id, vllm)
+                                      transfer_id, vllm, prompt_hash)
             if transfer_id is not None:
                 self._transfers[transfer_id] = key
 
@@ -127,7 +128,7 @@ class PullProducer:
 
     async def on_read_grant(self, message: ReadGrant) -> ReadGrantReply:
         await self._await_hold(message.key)
-        refusal = self.authorize_read(message.key, message.token, message.block_ids)
+        refusal = self.authorize_read(message.key, message.token, message.block_ids) or self._binding(message)
         if refusal is not None:
             with self._lock:
                 expired = message.key in self._ended
@@ -136,6 +137,16 @@ class PullProducer:
             return ReadGrantReply(ok=False, error=refusal, refusal="expired" if expired else "denied")
         checksums = await self.rt.off_loop(block_checksums, self.rt.regions, list(message.block_ids))
         return ReadGrantReply(ok=True, checksums=checksums)
+
+    def _binding(self, message: ReadGrant) -> str | None:
+        """A lease bound to a sequence is read only by a consumer that names it: KV never reaches a request
+        whose tokens are not the ones it was computed from."""
+        with self._lock:
+            lease = self._leases.get(message.key)
+            expected = lease.prompt_hash if lease is not None else ""
+        if expected and message.prompt_hash != expected:
+            return f"the blocks of {message.key!r} hold the KV of another sequence than the reader's"
+        return None
 
     async def _await_hold(self, key: str) -> None:
         """P answers its client a moment before its engine thread registers the hold; a fast consumer may

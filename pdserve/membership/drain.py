@@ -5,7 +5,8 @@
    and `/health` answers 503 with the `pdserve-draining` header, so a gateway without a store stops at its
    next probe and a Kubernetes readiness probe takes the pod out of its Service;
 3. hand off or finish the requests running here, bounded by `--drain-timeout`. The hand-off is a hook: by
-   default it waits for them to finish; a decode instance may instead move them to other decode instances;
+   default it waits for them to finish; a decode instance moves them to other decode instances (the legs that
+   carry on a moving request, marked CONTINUE_HEADER, are let in);
 4. free every KV block held for other instances: consumers that still read get until the deadline, then
    whatever is held is released;
 5. exit 0 (having said "draining" for at least LINGER_S, so that probing gateways saw it leave).
@@ -23,6 +24,7 @@ from typing import Any
 import msgspec
 
 from pdserve.membership.identity import DRAINING_HEADER
+from pdserve.migration.wire import CONTINUE_HEADER
 from pdserve.server.errors import error_body
 
 log = logging.getLogger(__name__)
@@ -114,7 +116,8 @@ class DrainGuard:
                 self.drain.start()
                 await _answer(send, 202, {"draining": True, "timeout_s": self.drain.timeout_s})
                 return
-            if self.drain.draining and (path in _WORK or path == "/health"):
+            # A leg that goes on with a request already here (it is moving away) is no new work.
+            if self.drain.draining and (path == "/health" or (path in _WORK and not _continues(scope))):
                 await _answer(send, 503, error_body(503, "this instance is draining; send new work elsewhere"))
                 return
             if path in _WORK:
@@ -125,6 +128,10 @@ class DrainGuard:
                     self.drain.in_flight -= 1
                 return
         await self.app(scope, receive, send)
+
+
+def _continues(scope: dict) -> bool:
+    return any(name == CONTINUE_HEADER for name, _ in scope["headers"])
 
 
 async def _answer(send: Any, status: int, body: dict) -> None:

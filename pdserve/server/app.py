@@ -15,6 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from pdserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestTimeoutError
 from pdserve.ids import clean_request_id, new_external_request_id
+from pdserve.migration.wire import MOVED_STATUS, SPLICE_HEADER, MovedOn
 from pdserve.net.body import DEFAULT_MAX_BODY_BYTES, BodyTooLarge, read_body
 from pdserve.net.front import STATE_KEY, Front
 from pdserve.net.json_body import BodyError, decode_object
@@ -27,6 +28,7 @@ from pdserve.telemetry.timeline import Origin
 
 log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
+SPLICE = SPLICE_HEADER.decode()
 
 
 class ClientDisconnected(Exception):
@@ -153,10 +155,12 @@ async def openai_route(request: Request, model: type[BaseModel],
         external_id = external_request_id(request, getattr(body, "request_id", None), minted)
         headers["X-Request-Id"] = external_id
         origin = Origin(external_id, time.time_ns(), request.headers.get("traceparent"),
-                        request.scope.get("state", {}).get(STATE_KEY))
+                        request.scope.get("state", {}).get(STATE_KEY), SPLICE in request.headers)
         result = await until_disconnect(request, handler(body, origin, headers))
     except OpenAIError as exc:
         return error_response(exc, headers)
+    except MovedOn as exc:  # the request goes on on another instance: the marker says where
+        return Response(exc.body, status_code=MOVED_STATUS, media_type="application/json", headers=headers)
     except ClientDisconnected:
         return Response(status_code=499, headers=headers)
     except EngineDeadError as exc:

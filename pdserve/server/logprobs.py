@@ -15,7 +15,7 @@ from pdserve.engine.request import TokenLogprobs
 from pdserve.tokenizer import Tokenizer
 
 _REPLACEMENT = "\ufffd"
-_MAX_CONTEXT = 4  # a UTF-8 character has at most four bytes
+MAX_CONTEXT = 4  # a UTF-8 character has at most four bytes
 
 
 class LogprobsFormatter:
@@ -45,16 +45,25 @@ class LogprobsFormatter:
             content.append(item)
         return {"content": content}
 
+    def text_length(self, token_ids: list[int]) -> int:
+        """How many characters these sampled tokens' strings add up to: a completion's `text_offset` after them."""
+        history: list[int] = []
+        total = 0
+        for token_id in token_ids:
+            total += len(self._token(token_id, history))
+            history = (history + [token_id])[-MAX_CONTEXT:]
+        return total
+
     def _positions(self, logprobs: list[TokenLogprobs], context: list[int]):
         """Per position: {token_id: (string, logprob)} for the sampled token, then its alternatives best first."""
-        history = list(context[-_MAX_CONTEXT:])
+        history = list(context[-MAX_CONTEXT:])
         for lp in logprobs:
             candidates = {lp.token_id: (self._token(lp.token_id, history), _finite(lp.logprob))}
             for token_id, value in zip(lp.top_ids, lp.top_logprobs, strict=True):
                 if token_id not in candidates:
                     candidates[token_id] = (self._token(token_id, history), _finite(value))
             yield lp, candidates
-            history = (history + [lp.token_id])[-_MAX_CONTEXT:]
+            history = (history + [lp.token_id])[-MAX_CONTEXT:]
 
     def _token(self, token_id: int, history: list[int]) -> str:
         text = self.tokenizer.token_text(token_id)

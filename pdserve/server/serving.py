@@ -7,7 +7,6 @@ responses).
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import time
@@ -24,12 +23,15 @@ from pdserve.engine.output_processor import RequestOutput
 from pdserve.engine.request import MultiModalItem, TokenLogprobs
 from pdserve.ids import ReqId, make_internal_request_id
 from pdserve.kv_transfer.params import RemoteDecode, RemotePrefill
+from pdserve.migration.service import MOVED, Leg, Migrations
+from pdserve.migration.wire import MARKER, TOKENS, MigrationError, MovedOn
 from pdserve.net.headers import bounded_list
 from pdserve.multimodal.prompt import IMAGE_PART_TYPES, MultimodalInputError, MultimodalPrompter
 from pdserve.sampling_params import SamplingParams, SamplingParamsError
 from pdserve.server.errors import OpenAIError, bad_request, error_body
 from pdserve.server.kv_admission import KVAdmission, KVRequestParams, ParsedKV
-from pdserve.server.logprobs import LogprobsFormatter
+from pdserve.server.logprobs import MAX_CONTEXT, LogprobsFormatter
+from pdserve.server.merge import merge
 from pdserve.server.prompt_limits import PromptLimits, message_chars
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedFieldError
 from pdserve.server.workers import WorkerPool
@@ -38,6 +40,7 @@ from pdserve.tokenizer import Tokenizer, TokenizerError
 
 log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
+_LEG_ENDINGS = ("error", "abort", *MOVED)  # finish reasons that end a leg without the request's last chunk
 
 
 @dataclass(slots=True)
@@ -65,8 +68,9 @@ class OpenAIServing:
     def __init__(self, engine: AsyncEngine, model_name: str, tokenizer: Tokenizer, max_model_len: int,
                  kv_params: KVRequestParams | None = None, prompter: MultimodalPrompter | None = None,
                  role: str = "both", timelines: TimelineStore | None = None,
-                 workers: WorkerPool | None = None) -> None:
+                 workers: WorkerPool | None = None, migration: Migrations | None = None) -> None:
         self.engine = engine
+        self.migration = migration  # requests that move to another instance mid-generation
         self.workers = workers or WorkerPool()
         self.role = role
         self.timelines = timelines or TimelineStore()
@@ -190,6 +194,8 @@ class OpenAIServing:
                    params: list[SamplingParams], headers: dict[str, str] | None) -> dict | AsyncIterator[bytes]:
         kv_params = await self.kv.admit(kv, len(prompts), params[0].n, prompts[0].token_ids)
         response_id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{origin.request_id}"
+        if self.migration is not None and body.kv_transfer_params and "migration" in body.kv_transfer_params:
+            return await self._continue(kind, body, origin, response_id, prompts, params)
         sequences: list[_Sequence] = []
         streams: list[AsyncIterator[RequestOutput]] = []
         internal_ids: list[str] = []
@@ -215,10 +221,35 @@ class OpenAIServing:
             if omitted:
                 headers["X-Pdserve-Request-Ids-Omitted"] = str(omitted)
         created = int(time.time())
+        leg = None
+        if self.migration is not None and origin.spliced and len(sequences) == 1 and not prompts[0].mm_items:
+            leg = self.migration.track(origin.request_id, internal_ids[0], bool(body.stream))
         if body.stream:
-            return self._stream(kind, body, response_id, created, prompts, sequences, streams)
-        await self._collect(sequences, streams)
+            return self._stream(kind, body, response_id, created, prompts, sequences, streams, leg)
+        await self._collect(sequences, streams, leg)
         return self._response(kind, body, response_id, created, prompts, sequences)
+
+    async def _continue(self, kind: str, body: Any, origin: Origin, response_id: str, prompts: list[_Prompt],
+                        params: list[SamplingParams]) -> dict | AsyncIterator[bytes]:
+        """A leg a gateway sends after a migration marker: the same request, from where its client got to."""
+        if len(prompts) != 1 or params[0].n != 1:
+            raise bad_request("a migrated request has one prompt and one sample", "kv_transfer_params")
+        external = f"{response_id}-0" if kind == "completion" else response_id
+        try:
+            cont = self.migration.continuation(body.kv_transfer_params)
+            opened = await self.migration.open(cont, origin.request_id, prompts[0].token_ids, params[0].for_child(0),
+                                               external, bool(body.stream))
+        except MigrationError as exc:
+            raise OpenAIError(exc.status, str(exc), "kv_transfer_params") from exc
+        seq = _Sequence(0, 0, 0, list(opened.token_ids), opened.text, list(opened.logprobs))
+        if body.stream and kind == "completion" and body.logprobs is not None:
+            seq.text_offset = self.logprobs.text_length(opened.token_ids)
+        created = int(time.time())
+        if body.stream:
+            return self._stream(kind, body, response_id, created, prompts, [seq], [opened.outputs], opened.leg,
+                                resumed=True)
+        await self._collect([seq], [opened.outputs], opened.leg)
+        return self._response(kind, body, response_id, created, prompts, [seq])
 
     def _generate(self, external_id: str, request_id: ReqId, token_ids: list[int], params: SamplingParams,
                   kv_params: RemoteDecode | RemotePrefill | None, mm_items: list[MultiModalItem] | None = None,
@@ -230,9 +261,19 @@ class OpenAIServing:
         return self.engine.generate(external_id, token_ids, params, kv_transfer_params=kv_params,
                                     mm_items=mm_items or None, request_id=request_id, timeline=timeline)
 
-    async def _collect(self, sequences: list[_Sequence], streams: list[AsyncIterator[RequestOutput]]) -> None:
-        async for index, out in merge(streams):
-            _absorb(sequences[index], out)
+    async def _collect(self, sequences: list[_Sequence], streams: list[AsyncIterator[RequestOutput]],
+                       leg: Leg | None = None) -> None:
+        if leg is not None:
+            leg.start()
+        try:
+            async for index, out in merge(streams):
+                _absorb(sequences[index], out)
+            final = sequences[0].final
+            if leg is not None and final is not None and final.finish_reason in MOVED:
+                raise MovedOn(leg.marker(final, sequences[0].token_ids, sequences[0].logprobs))
+        finally:
+            if leg is not None:
+                leg.close()
         for seq in sequences:
             _raise_if_failed(seq.final)
 
@@ -270,7 +311,8 @@ class OpenAIServing:
         return response
 
     async def _stream(self, kind: str, body: Any, response_id: str, created: int, prompts: list[_Prompt],
-                      sequences: list[_Sequence], streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[bytes]:
+                      sequences: list[_Sequence], streams: list[AsyncIterator[RequestOutput]], leg: Leg | None = None,
+                      resumed: bool = False) -> AsyncIterator[bytes]:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
         obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
@@ -282,34 +324,47 @@ class OpenAIServing:
                 payload["usage"] = usage
             return b"data: " + _json.encode(payload) + b"\n\n"
 
+        if leg is not None:
+            leg.start()
         try:
-            if kind == "chat":
+            if kind == "chat" and not resumed:  # a leg after a migration marker: its client has this chunk
                 yield chunk([{"index": s.choice_index, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None} for s in sequences])
             async for index, out in merge(streams):
                 seq = sequences[index]
                 _absorb(seq, out)
-                if out.finished and out.finish_reason in ("error", "abort"):
+                if out.finished and out.finish_reason in _LEG_ENDINGS:
+                    if out.finish_reason in MOVED:  # no [DONE]: the marker says where the request goes on
+                        yield MARKER + leg.marker(out, seq.token_ids, seq.logprobs)
+                        return
                     yield b"data: " + _json.encode(_failure_body(out)) + b"\n\n"
                     break
+                # A window leg names every token it sends (and those it holds back) for the gateway.
+                tag = TOKENS + ",".join(map(str, out.new_token_ids)).encode() + b"\n" if leg and leg.tagged else b""
                 # A token whose text is held back (half a UTF-8 character, a possible stop string) sends no chunk,
                 # unless the client asked for token ids: those must all arrive.
                 if not (out.new_text or out.finished or out.new_logprobs
                         or (body.return_token_ids and out.new_token_ids)):
+                    if tag:
+                        yield tag + b"\n"
                     continue
                 usage = _usage(prompts, sequences) if continuous else None
-                yield chunk([self._stream_choice(kind, body, seq, out)], usage)
+                yield tag + chunk([self._stream_choice(kind, body, seq, out)], usage)
             else:
                 if include_usage:
                     yield chunk([], _usage(prompts, sequences))
         except (EngineDeadError, RequestTimeoutError) as exc:
             yield b"data: " + _json.encode(error_body(503 if isinstance(exc, EngineDeadError) else 504, str(exc))) + b"\n\n"
+        finally:
+            if leg is not None:
+                leg.close()
         yield b"data: [DONE]\n\n"
 
     def _stream_choice(self, kind: str, body: Any, seq: _Sequence, out: RequestOutput) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": seq.choice_index}
         # The tokens sampled before this chunk's (already absorbed into `seq`) decide how a split character reads.
-        context = [lp.token_id for lp in seq.logprobs[:len(seq.logprobs) - len(out.new_logprobs)]]
+        before = len(seq.token_ids) - len(out.new_token_ids)
+        context = seq.token_ids[max(before - MAX_CONTEXT, 0):before]
         if kind == "completion":
             choice["text"] = out.new_text
             choice["logprobs"] = None
@@ -389,41 +444,3 @@ def _usage(prompts: list[_Prompt], sequences: list[_Sequence]) -> dict[str, Any]
             cached += seq.final.num_cached_tokens
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleave several output streams as items arrive; closing the merge closes every stream (aborting)."""
-    if len(streams) == 1:
-        try:
-            async for out in streams[0]:
-                yield 0, out
-        finally:
-            await streams[0].aclose()
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
-        try:
-            async for out in stream:
-                await queue.put((index, out))
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-            await queue.put((index, exc))
-        finally:
-            await queue.put((index, done))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    remaining = len(tasks)
-    try:
-        while remaining:
-            index, item = await queue.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)

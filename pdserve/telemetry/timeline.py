@@ -70,6 +70,7 @@ class Origin:
     arrival_ns: int
     traceparent: str | None = None
     access: Any = None  # the access-log record (pdserve.net.front) the serving reports token counts to
+    spliced: bool = False  # it came through a gateway that splices the stream of a request that moves
 
 
 def wall_ns_of(monotonic_s: float) -> int:
