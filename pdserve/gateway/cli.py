@@ -53,18 +53,7 @@ def add_gateway_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     p.add_argument("--tokenizer", default=None,
                    help="the model's folder (its tokenizer and chat template) or a tokenizer.json: exact prompt lengths "
                         "for --conditional, and the token ids kv_aware routes by")
-    p.add_argument("--kv-events", nargs="+", default=None, metavar="URL=ENDPOINT[,REPLAY]",
-                   help="where an instance publishes KV events, for kv_aware (vLLM started with --kv-events-config; "
-                        "pdserve instances say it themselves), e.g. http://h:8000=tcp://h:5557,tcp://h:5558")
-    p.add_argument("--kv-overlap-weight", type=float, default=None,
-                   help="kv_aware: weight of prompt tokens an instance does not hold against the tokens it is busy "
-                        "with (default 1; 0 routes by load alone)")
-    p.add_argument("--kv-store-hit-weight", type=float, default=None,
-                   help="kv_aware: credit of a block held in an offload tier or store, against 1 for the device cache "
-                        "(default 0.75)")
-    p.add_argument("--kv-index-capacity", type=int, default=None,
-                   help="kv_aware: entries (instance x block) the prefix index keeps, least recently stored dropped "
-                        "first (default 1000000)")
+    _add_kv_routing_flags(p)
     p.add_argument("--allow-client-kv-params", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--max-request-body-bytes", type=int, default=None, metavar="BYTES",
                    help="larger request bodies get 413 before they are read (default 32 MiB)")
@@ -82,12 +71,7 @@ def add_gateway_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     p.add_argument("--admin-port", type=int, default=None, metavar="PORT",
                    help="serve the admin endpoints on 127.0.0.1:PORT (0 picks a free port)")
     add_discovery_flags(p)
-    p.add_argument("--rebalance", action=argparse.BooleanOptionalAction, default=None,
-                   help="move running requests off a decode instance whose KV use or queue exceeds another's")
-    p.add_argument("--rebalance-margin", type=float, default=None, metavar="FRACTION",
-                   help="KV use (a fraction of the cache) by which one must exceed the other (default 0.2)")
-    p.add_argument("--rebalance-queue-margin", type=float, default=None, metavar="REQUESTS",
-                   help="or waiting requests by which one must exceed the other (default 2)")
+    _add_rebalance_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
@@ -96,6 +80,30 @@ def add_gateway_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                    help="export request timelines as OpenTelemetry spans (needs pdserve[tracing])")
     return p
+
+
+def _add_kv_routing_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-events", nargs="+", default=None, metavar="URL=ENDPOINT[,REPLAY]",
+                   help="where an instance publishes KV events, for kv_aware (vLLM started with --kv-events-config; "
+                        "pdserve instances say it themselves), e.g. http://h:8000=tcp://h:5557,tcp://h:5558")
+    p.add_argument("--kv-overlap-weight", type=float, default=None,
+                   help="kv_aware: weight of prompt tokens an instance does not hold against the tokens it is busy "
+                        "with (default 1; 0 routes by load alone)")
+    p.add_argument("--kv-store-hit-weight", type=float, default=None,
+                   help="kv_aware: credit of a block held in an offload tier or store, against 1 for the device cache "
+                        "(default 0.75)")
+    p.add_argument("--kv-index-capacity", type=int, default=None,
+                   help="kv_aware: entries (instance x block) the prefix index keeps, least recently stored dropped "
+                        "first (default 1000000)")
+
+
+def _add_rebalance_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rebalance", action=argparse.BooleanOptionalAction, default=None,
+                   help="move running requests off a decode instance whose KV use or queue exceeds another's")
+    p.add_argument("--rebalance-margin", type=float, default=None, metavar="FRACTION",
+                   help="KV use (a fraction of the cache) by which one must exceed the other (default 0.2)")
+    p.add_argument("--rebalance-queue-margin", type=float, default=None, metavar="REQUESTS",
+                   help="or waiting requests by which one must exceed the other (default 2)")
 
 
 def load_config(args: argparse.Namespace) -> GatewayConfig:
