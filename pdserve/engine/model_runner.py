@@ -18,7 +18,7 @@ from pdserve.layers.attention import AttentionMetadata, PrefillChunk
 from pdserve.models.config import ModelSpec
 from pdserve.models.llama import ForwardContext, NoHooks
 from pdserve.models.registry import LoadedModel, build_model
-from pdserve.native.backend import choose_decode_kernel, pointwise_ops_for
+from pdserve.native.backend import choose_decode_kernel, pointwise_ops_for, prefill_kernel_for
 from pdserve.utils import cdiv
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,7 @@ class ModelRunner:
         self.faults = EngineFaults()
         self.decode_kernel = choose_decode_kernel(attention_backend, self.device, self.dtype)
         self.pointwise_ops = pointwise_ops_for(self.decode_kernel)
+        self.prefill_kernel = prefill_kernel_for(self.decode_kernel, self.dtype)
 
     # -- KV cache ---------------------------------------------------------------------------------------
     def kv_block_shape(self) -> tuple[int, ...]:
@@ -191,35 +192,48 @@ class ModelRunner:
 
     def _prepare(self, batch: list[ScheduledRequest]
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[tuple[int, int]]]:
-        """Flat inputs, attention metadata, and (batch index, last row) of every request that samples."""
+        """Flat inputs, attention metadata, and (batch index, last row) of every request that samples.
+
+        Decodes (first in the batch) get their position and slot in Python, one each; a prefill chunk's positions
+        and slots are computed as tensors (arange, one gather from its block table): an 8192-token chunk took 5 ms
+        token by token in Python."""
         bs = self.block_size
-        token_ids: list[int] = []
-        positions: list[int] = []
-        slot_block: list[int] = []
-        slot_offset: list[int] = []
         decodes = [s for s in batch if s.is_decode]
+        token_ids: list[int] = []
+        positions = [torch.tensor([s.start_position for s in decodes], dtype=torch.long)]
+        slot_block = [torch.tensor([s.block_ids[s.start_position // bs] for s in decodes], dtype=torch.long)]
         prefills: list[PrefillChunk] = []
         sample_rows: list[tuple[int, int]] = []
         row = 0
         for index, s in enumerate(batch):
             n = len(s.token_ids)
             token_ids.extend(s.token_ids)
-            table = s.block_ids
-            for p in range(s.start_position, s.start_position + n):
-                positions.append(p)
-                slot_block.append(table[p // bs])
-                slot_offset.append(p % bs)
             if not s.is_decode:
-                covered = cdiv(s.start_position + n, bs)
-                prefills.append(PrefillChunk(row, row + n, s.start_position, torch.tensor(table[:covered])))
+                table = torch.tensor(s.block_ids[:cdiv(s.start_position + n, bs)], dtype=torch.long)
+                chunk_positions = torch.arange(s.start_position, s.start_position + n)
+                positions.append(chunk_positions)
+                slot_block.append(table[chunk_positions // bs])
+                prefills.append(PrefillChunk(row, row + n, s.start_position, table))
             row += n
             if s.sample:
                 sample_rows.append((index, row - 1))
-        attn = AttentionMetadata(slot_block=torch.tensor(slot_block), slot_offset=torch.tensor(slot_offset),
+        flat_positions = torch.cat(positions)
+        attn = AttentionMetadata(slot_block=torch.cat(slot_block), slot_offset=flat_positions % bs,
                                  num_decode_tokens=len(decodes), prefills=prefills)
         if decodes:
             self._decode_tables(decodes, attn)
-        return torch.tensor(token_ids), torch.tensor(positions), attn, sample_rows
+        if prefills and self.prefill_kernel is not None:
+            self._prefill_tables(prefills, attn)
+        return torch.tensor(token_ids), flat_positions, attn, sample_rows
+
+    def _prefill_tables(self, prefills: list[PrefillChunk], attn: AttentionMetadata) -> None:
+        """The native prefill kernel's spans and padded block tables: every chunk of the step in one call."""
+        max_blocks = max(len(c.block_ids) for c in prefills)
+        tables = torch.zeros(len(prefills), max_blocks, dtype=torch.long)
+        for i, chunk in enumerate(prefills):
+            tables[i, :len(chunk.block_ids)] = chunk.block_ids
+        attn.prefill_spans = torch.tensor([[c.start, c.end, c.num_context_tokens] for c in prefills])
+        attn.prefill_tables, attn.prefill_kernel = tables, self.prefill_kernel
 
     def _decode_tables(self, decodes: list[ScheduledRequest], attn: AttentionMetadata) -> None:
         """The padded block table and each decode's length; the torch path also gets the padding's mask."""
