@@ -312,12 +312,16 @@ def profile(model: Path, args: argparse.Namespace, E: Any) -> int:
 
     out = {}
     cmd = (dict(op="profile_prefill", lengths=args.prefill_lengths) if args.prefill_lengths else dict(op="profile"))
+    import harness as H
+
+    meter = H.CpuMeter()
     for dtype in args.dtype.split(","):
         res = {}
         for kind in (k for k in args.engines if k != "HF"):
             w = Worker(kind, model, args, dtype, args.log_dir)
             try:
                 w.ask(op="warm")
+                meter.wait_for_quiet(args.wait_idle)
                 res[f"{kind} {dtype}"] = w.ask(steps=args.profile_steps, **cmd)
             finally:
                 w.close()
@@ -326,8 +330,6 @@ def profile(model: Path, args: argparse.Namespace, E: Any) -> int:
     E.log("")
     for dtype in out:
         step_profile.print_table(out[dtype], E.log)
-    import harness as H
-
     H.write_json(args.out, dict(argv=sys.argv[1:], preset=args.model_preset, threads=args.threads, profiles=out))
     return 0
 

@@ -118,12 +118,11 @@ class ModelRunner:
         input_ids, positions, attn, sample_rows = self._prepare(batch)
         ctx = ForwardContext(attn=attn, kv_cache=self.kv_cache, hooks=self.connector or NoHooks(),
                              ops=self.pointwise_ops)
+        # One row per sampling request: where some rows do not sample, the last layer keeps only those that do.
         hidden = self.model.forward(input_ids, positions, ctx, inputs_embeds=self._embed_inputs(batch, input_ids))
         sampling = [batch[i] for i, _ in sample_rows]
         if not sampling:
             return
-        if len(sample_rows) < hidden.shape[0]:  # else every row samples (decodes only): the rows are all of hidden
-            hidden = hidden.index_select(0, torch.tensor([row for _, row in sample_rows]))
         logits = self.model.compute_logits(hidden)
         result = sample(logits, sampling, [self._generator(s) for s in sampling], self.default_generator)
         for i, s in enumerate(sampling):
@@ -221,10 +220,23 @@ class ModelRunner:
         attn = AttentionMetadata(slot_block=torch.cat(slot_block), slot_offset=flat_positions % bs,
                                  num_decode_tokens=len(decodes), prefills=prefills)
         if decodes:
-            self._decode_tables(decodes, attn)
+            self._decode_tables(attn, [s.block_ids for s in decodes], [s.start_position + 1 for s in decodes])
         if prefills and self.prefill_kernel is not None:
             self._prefill_tables(prefills, attn)
+        if len(sample_rows) < row:
+            self._sampled_rows(batch, sample_rows, attn)
         return torch.tensor(token_ids), flat_positions, attn, sample_rows
+
+    def _sampled_rows(self, batch: list[ScheduledRequest], sample_rows: list[tuple[int, int]],
+                      attn: AttentionMetadata) -> None:
+        """The last layer's view of a step with rows that do not sample (prefill chunks): past its KV write only the
+        sampled rows matter, each attending over its whole sequence so far, as a decode does."""
+        sampled = AttentionMetadata(slot_block=attn.slot_block[:0], slot_offset=attn.slot_offset[:0],
+                                    num_decode_tokens=len(sample_rows))
+        if sample_rows:
+            ends = [batch[i].start_position + len(batch[i].token_ids) for i, _ in sample_rows]
+            self._decode_tables(sampled, [batch[i].block_ids for i, _ in sample_rows], ends)
+        attn.sampled_rows, attn.sampled = torch.tensor([r for _, r in sample_rows], dtype=torch.long), sampled
 
     def _prefill_tables(self, prefills: list[PrefillChunk], attn: AttentionMetadata) -> None:
         """The native prefill kernel's spans and padded block tables: every chunk of the step in one call."""
@@ -235,17 +247,17 @@ class ModelRunner:
         attn.prefill_spans = torch.tensor([[c.start, c.end, c.num_context_tokens] for c in prefills])
         attn.prefill_tables, attn.prefill_kernel = tables, self.prefill_kernel
 
-    def _decode_tables(self, decodes: list[ScheduledRequest], attn: AttentionMetadata) -> None:
-        """The padded block table and each decode's length; the torch path also gets the padding's mask."""
+    def _decode_tables(self, attn: AttentionMetadata, block_ids: list[list[int]], lengths: list[int]) -> None:
+        """The padded block table of the decodes (sequences of `lengths` tokens, their own included); the torch path
+        also gets the padding's mask."""
         bs = self.block_size
-        lengths = [s.start_position + 1 for s in decodes]
         max_blocks = cdiv(max(lengths), bs)
         # Padded in Python and converted once: a tensor per row took 4x as long (0.5 ms a step at batch 64).
-        rows = [s.block_ids[:cdiv(n, bs)] for s, n in zip(decodes, lengths, strict=True)]
+        rows = [ids[:cdiv(n, bs)] for ids, n in zip(block_ids, lengths, strict=True)]
         table = torch.tensor([row + [0] * (max_blocks - len(row)) for row in rows], dtype=torch.long)
         attn.decode_block_table, attn.decode_lengths = table, torch.tensor(lengths)
         attn.decode_kernel = self.decode_kernel
         if self.decode_kernel is None:
             visible = torch.arange(max_blocks * bs).unsqueeze(0) < attn.decode_lengths.unsqueeze(1)
             bias = torch.zeros(visible.shape, dtype=self.dtype).masked_fill_(~visible, float("-inf"))
-            attn.decode_bias = bias.view(len(decodes), 1, 1, max_blocks * bs)
+            attn.decode_bias = bias.view(len(lengths), 1, 1, max_blocks * bs)

@@ -48,6 +48,10 @@ class AttentionMetadata:
     prefill_spans: torch.Tensor | None = None
     prefill_tables: torch.Tensor | None = None
     prefill_kernel: PrefillKernel | None = None  # reads the blocks in place; None: SDPA per chunk
+    # Rows that sample (batch order), where some do not: the last layer computes past its KV write only for them,
+    # attended as decodes over their sequences so far (`sampled`).
+    sampled_rows: torch.Tensor | None = None
+    sampled: AttentionMetadata | None = None
 
 
 def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
