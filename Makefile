@@ -6,7 +6,8 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test bench install native clean
 
-$(STAMP): pyproject.toml requirements/constraints.txt scripts/install_mooncake.sh
+$(STAMP): pyproject.toml requirements/constraints.txt scripts/install_mooncake.sh scripts/install_etcd.sh \
+		scripts/install_redis.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch is pinned by the constraints file so pip takes the CPU wheel, never the CUDA stack.
@@ -15,6 +16,10 @@ $(STAMP): pyproject.toml requirements/constraints.txt scripts/install_mooncake.s
 	$(PY) -m pip install --quiet --no-deps nixl-cu12==1.5.1 nixl==1.5.1
 	# The mooncake data plane's engine (the `mooncake` extra) and, as root, the system libraries it links.
 	scripts/install_mooncake.sh $(PY)
+	# etcd for membership (`--discovery etcd://...` and its tests), as root, from Debian, where it is missing.
+	scripts/install_etcd.sh
+	# Redis's server for the KV store tier's tests and benchmark (Debian's redis-server), where missing.
+	scripts/install_redis.sh
 	touch $(STAMP)
 
 install: $(STAMP) native
@@ -28,8 +33,13 @@ native: $(STAMP)
 demo: install
 	$(PY) scripts/demo.py
 
+# Parallel workers: most tests wait on subprocesses and sockets, so more workers than cores pay off (measured in
+# docs/benchmarks.md); --dist loadfile keeps each file on one worker, so its shared servers start once
+# (tests/conftest.py).
+TEST_WORKERS ?= 4
+
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 bench: install
 	$(PY) bench/engine.py

@@ -1,12 +1,16 @@
 """Gateway overhead: pdserve gateway vs vllm-router vs sglang-router vs a direct call, side by side.
 
 Two stub backends (bench/stub_backend.py; P and D, one process each) answer instantly, so what is left is the
-router's own cost. For every target, in rounds, interleaved (the order rotates each round):
+router's own cost. They answer like vLLM 0.32 NixlConnector instances (`--instances vllm`) or like pdserve
+instances (`--instances pdserve`: pdserve's info endpoint, KV parameters and response headers); with both (the
+default) each kind gets its own stubs and routers, one after the other. For every target, in rounds, interleaved
+(the order rotates each round):
 
 * c32:    wrk -t1 -c32 (after a warm-up), POST /v1/completions with a ~110-byte JSON body, non-streaming. The
           figure of merit is the router's CPU-us per proxied request: utime+stime of the router's process tree
           (/proc/<pid>/stat) over the run divided by the requests wrk completed (req/s mostly measures the box).
-* c1:     wrk -t1 -c1: unloaded p50 / p99, and added p50 = target p50 - direct p50 (same round).
+* c1:     wrk -t1 -c1: unloaded p50 / p99, added p50 = target p50 - direct p50 (same round), and CPU per request
+          (which, at ~1-2k req/s, also carries the router's idle background work).
 * stream: the c32 run with "stream": true (pdserve, vllm-router and direct).
 * idle:   every router's CPU over an idle window as long as a c32 run (pdserve scrapes /metrics every 0.2 s and
           probes /health every 1 s), from schedstat (ns resolution). "net" us/req subtracts that idle rate.
@@ -18,9 +22,13 @@ Each run records the cores other processes used (box busy time minus everything 
     .venv/bin/python bench/gateway.py --rounds 3 --json bench/out/gateway.json  # the table in docs/benchmarks.md
     .venv/bin/python bench/gateway.py --targets direct,pdserve --kinds c32      # pdserve alone
     .venv/bin/python bench/gateway.py --targets direct,pdserve --base DIR  # + DIR's pdserve (an older checkout)
+    .venv/bin/python bench/gateway.py --targets direct,pdserve,vllm-router --kinds c32,c1 --rounds 3  # issue 24
+    .venv/bin/python bench/gateway.py --targets pdserve --instances pdserve --protocol push --kinds c32
 
 vllm-router and sglang-router are pip-installed into .cache/peers/{vllm-router,sglang-router} (reused when there).
-Targets: pdserve CPU per request <= 2x vllm-router's and <= 290 us; pdserve added p50 at c=1 <= 0.6 ms.
+`--protocol` (pull, push, decode-first) is the pdserve gateway's; vllm-router and sglang-router always run their
+own pull. Targets: pdserve CPU per request <= 1x vllm-router's at c=32 and at c=1 (in front of either kind of
+instance) and <= 290 us; pdserve added p50 at c=1 <= 0.6 ms.
 """
 
 from __future__ import annotations
@@ -50,13 +58,16 @@ ALL_TARGETS = ("direct", "pdserve", "vllm-router", "sglang-router")
 STREAM_TARGETS = ("direct", "pdserve", "pdserve-base", "vllm-router")
 DECODE_TEXT = " a b c d"  # what the stub's decode answer says
 PEERS_DIR = BENCH.parent / ".cache" / "peers"
-TARGET_CPU_RATIO = 2.0  # pdserve CPU/req <= 2x vllm-router's
+TARGET_CPU_RATIO = 1.0  # pdserve CPU/req <= vllm-router's
 TARGET_CPU_US = 290.0
+# Every client request carries it; the pdserve gateway checks it (vllm-router has no client key to check).
+API_KEY = "bench-key"
 TARGET_ADDED_P50_MS = 0.6
 WRK_LUA = """\
 wrk.method = "POST"
 wrk.body = {body}
 wrk.headers["Content-Type"] = "application/json"
+wrk.headers["Authorization"] = "Bearer {key}"
 done = function(summary, latency, requests)
   local e = summary.errors
   io.write(string.format('WRKJSON {{"requests":%d,"duration_us":%d,"errors":%d,"non2xx":%d,' ..
@@ -122,7 +133,8 @@ def post(url: str, body: bytes, timeout: float = 5.0) -> tuple[int, bytes, dict[
     host, port = url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
     try:
-        conn.request("POST", "/v1/completions", body, {"content-type": "application/json"})
+        conn.request("POST", "/v1/completions", body, {"content-type": "application/json",
+                                                       "authorization": f"Bearer {API_KEY}"})
         resp = conn.getresponse()
         return resp.status, resp.read(), {k.lower(): v for k, v in resp.getheaders()}
     finally:
@@ -130,12 +142,13 @@ def post(url: str, body: bytes, timeout: float = 5.0) -> tuple[int, bytes, dict[
 
 
 def spawn(name: str, cmd: list[str], work: Path, cleanup: H.Cleanup, ready_line: bool = False,
-          port: int = 0, env: dict[str, str] | None = None) -> Proc:
+          port: int = 0, env: dict[str, str] | None = None, cwd: str | None = None) -> Proc:
     """Start a process and wait until it answers a completion (after its JSON ready line, if it prints one)."""
     log_path = work / f"{name}.log"
     with log_path.open("wb") as log:
         popen = subprocess.Popen(cmd, stdout=subprocess.PIPE if ready_line else log, stderr=log,
-                                 stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})}, start_new_session=True)
+                                 stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})}, start_new_session=True,
+                                 cwd=cwd)
     proc = Proc(name, popen, f"http://127.0.0.1:{port}", log_path)
     cleanup.add(proc.stop)
     if ready_line:
@@ -174,14 +187,18 @@ def peer_exe(name: str) -> str:
     return str(exe)
 
 
-def start_target(name: str, p_url: str, d_url: str, work: Path, cleanup: H.Cleanup, base: str | None = None
-                 ) -> Proc:
+def start_target(name: str, p_url: str, d_url: str, work: Path, cleanup: H.Cleanup, base: str | None = None,
+                 protocol: str = "pull") -> Proc:
     if name in ("pdserve", "pdserve-base"):
-        env = {"PYTHONUNBUFFERED": "1", "PYTHONPATH": base if name == "pdserve-base" else str(BENCH.parent)}
+        # `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH: each gateway runs in the
+        # checkout it measures (from this one, the base would import this checkout's pdserve).
+        root = base if name == "pdserve-base" else str(BENCH.parent)
+        env = {"PYTHONUNBUFFERED": "1", "PYTHONPATH": root}
         return spawn(name, [sys.executable, "-m", "pdserve", "gateway", "--prefill", p_url, "--decode", d_url,
-                            "--protocol", "pull", "--scheduling", "batch", "--policy", "round_robin", "--host",
+                            "--protocol", protocol, "--scheduling", "batch", "--policy", "round_robin",
+                            "--api-key", API_KEY, "--host",
                             "127.0.0.1", "--port", "0", "--log-level", "warning"], work, cleanup, ready_line=True,
-                     env=env)
+                     env=env, cwd=root)
     port, prom = H.free_port(), H.free_port()
     if name == "vllm-router":
         cmd = [peer_exe(name), "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation", "--prefill",
@@ -277,6 +294,7 @@ def summarize(runs: list[dict[str, Any]], idles: list[dict[str, Any]]) -> dict[s
                ("rps", "p50_ms", "p99_ms", "router_us_per_req", "p_us_per_req", "d_us_per_req", "others_cores")}
         cpu = [r["router_us_per_req"] for r in rs if r["router_us_per_req"] == r["router_us_per_req"]]
         row["router_us_min"], row["router_us_max"] = (min(cpu), max(cpu)) if cpu else (float("nan"),) * 2
+        row["router_us_by_round"] = {r["round"]: r["router_us_per_req"] for r in rs}
         row["router_us_net"] = H.median([(r["router_cpu_s"] - idles[r["round"]]["cores"].get(target, 0) * r["wall_s"])
                                          / max(r["requests"], 1) * 1e6 for r in rs if r["round"] < len(idles)])
         row["errors"] = sum(r["errors"] for r in rs)
@@ -323,11 +341,16 @@ def check_targets(rows: dict[str, Any]) -> list[dict[str, Any]]:
     if pd and base:  # a change's own cost: this checkout against the base one, same run
         ratio = pd["router_us_per_req"] / base["router_us_per_req"]
         checks.append(("pdserve / pdserve-base CPU us/req at c=32", ratio, "report", None))
-    if pd and vr:
+    for kind, (ours, theirs) in (("c32", (pd, vr)), ("c1", (pd1, vr1))):
+        if not (ours and theirs):
+            continue
         for label, key in (("raw", "router_us_per_req"), ("net of idle", "router_us_net")):
-            ratio = pd[key] / vr[key]
-            checks.append((f"pdserve / vllm-router CPU us/req at c=32 ({label})", ratio, f"<= {TARGET_CPU_RATIO}",
-                           ratio <= TARGET_CPU_RATIO))
+            ratio = ours[key] / theirs[key]
+            per_round = "" if label != "raw" else " (per round: " + ", ".join(
+                f"{ours['router_us_by_round'][r] / theirs['router_us_by_round'][r]:.2f}"
+                for r in sorted(ours["router_us_by_round"]) if r in theirs["router_us_by_round"]) + ")"
+            checks.append((f"pdserve / vllm-router CPU us/req at c={kind[1:]} ({label}){per_round}", ratio,
+                           f"<= {TARGET_CPU_RATIO}", ratio <= TARGET_CPU_RATIO))
     if pd and sg:
         checks.append(("pdserve / sglang-router CPU us/req at c=32 (info)",
                        pd["router_us_per_req"] / sg["router_us_per_req"], "-", None))
@@ -350,66 +373,119 @@ def check_targets(rows: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"check": c, "value": v, "target": t, "pass": ok} for c, v, t, ok in checks]
 
 
+def measure(instances: str, args: argparse.Namespace, targets: list[str], kinds: list[str], cleanup: H.Cleanup,
+            work: Path) -> dict[str, Any] | None:
+    """Stubs answering like `instances` (vllm or pdserve), every target in front of them, the rounds; None when a
+    target failed its sanity check."""
+    stubs = [spawn(f"stub-{r[0].upper()}", [sys.executable, str(BENCH / "stub_backend.py"), "--port", "0",
+                                            "--role", r, "--kind", instances], work, cleanup, ready_line=True)
+             for r in ("prefill", "decode")]
+    routers = {t: start_target(t, stubs[0].url, stubs[1].url, work, cleanup, args.base, args.protocol)
+               for t in targets if t != "direct"}
+    urls = {"direct": stubs[1].url, **{t: p.url for t, p in routers.items()}}
+    problems = [p for t in targets for p in sanity(t, urls[t], t in STREAM_TARGETS and "stream" in kinds)]
+    if problems:
+        print("SANITY:\n  " + "\n  ".join(problems))
+        return None
+    scripts = {}
+    for kind, body in (("c32", BODY), ("c1", BODY), ("stream", STREAM_BODY)):
+        scripts[kind] = work / f"{kind}.lua"
+        scripts[kind].write_text(WRK_LUA.format(body=json.dumps(body.decode()), key=API_KEY))
+    bench, runs, idles = Bench(stubs, routers, scripts), [], []
+    for rnd in range(args.rounds):
+        if not args.no_idle and routers:
+            idles.append(bench.idle(args.duration))
+            print(f"[{instances} round {rnd + 1}/{args.rounds}] idle: " + ", ".join(
+                f"{k} {v * 100:.2f}%" for k, v in idles[-1]["cores"].items()), flush=True)
+        for kind, conns, seconds in (("c32", 32, args.duration), ("c1", 1, args.c1_duration),
+                                     ("stream", 32, args.duration)):
+            names = [t for t in targets if kind in kinds and (kind != "stream" or t in STREAM_TARGETS)]
+            for name in names[rnd % max(len(names), 1):] + names[:rnd % max(len(names), 1)]:
+                if args.warmup:
+                    run_wrk(urls[name], scripts[kind], conns, args.warmup)
+                runs.append({**bench.run(name, urls[name], kind, conns, seconds), "round": rnd})
+                r = runs[-1]
+                print(f"[{instances} round {rnd + 1}/{args.rounds}] {kind:6s} {name:13s} {r['rps']:7.0f} req/s  "
+                      f"router {H.fmt(r['router_us_per_req'], '.0f'):>5s} us/req  p50 {r['p50_ms']:.3f} p99 "
+                      f"{r['p99_ms']:.3f} ms  errors {r['errors']}  others {r['others_cores']:.2f}", flush=True)
+    summary = summarize(runs, idles)
+    print(f"\n# in front of {instances}-like instances (pdserve --protocol {args.protocol})")
+    checks = print_tables(summary, targets)
+    if args.profile and "pdserve" in routers:
+        profile_router(routers["pdserve"], urls["pdserve"], scripts, Path(args.profile) / f"{instances}-{args.protocol}",
+                       args.duration)
+    for proc in [*routers.values(), *stubs]:
+        proc.stop()
+    return {"runs": runs, "idle": idles, "summary": summary, "checks": checks}
+
+
+def profile_router(router: Proc, url: str, scripts: dict[str, Path], out: Path, seconds: int) -> None:
+    """py-spy (sampling, Python frames) on the router during one more c32 and c1 run, not measured: the collapsed
+    stacks go to OUT-c32.txt / OUT-c1.txt, and the share of samples by part of the path is printed. py-spy 0.3.14
+    (0.4.x does not find this Python's version; `--native` fails to merge uvloop's frames). Under asyncio on
+    Python 3.11 it charges time spent in the event loop's C code to the last Python line that ran (a socket
+    write, typically), so the parts are a map of the path, not a cost account: measure a change's cost by A/B."""
+    import pyspy_summary
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for kind, conns in (("c32", 32), ("c1", 1)):
+        path = out.parent / f"{out.name}-{kind}.txt"
+        spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(router.pid),
+                                "--rate", "250", "--format", "raw", "--output", str(path),
+                                "--duration", str(seconds + 1)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        time.sleep(0.5)
+        run_wrk(url, scripts[kind], conns, seconds)
+        spy.wait(30)
+        print(f"\n## profile of the pdserve gateway, {kind} ({path})")
+        if path.exists():
+            pyspy_summary.report(path)
+        else:
+            print("py-spy wrote nothing (is it py-spy 0.3.14, run as root?)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="1 round, short runs (smoke test, ~1 min)")
-    ap.add_argument("--rounds", type=int, default=None, help="rounds (default 3; 1 with --quick)")
+    ap.add_argument("--rounds", type=int, default=None, help="rounds (default 3; 1 with --quick; 0 with --profile)")
     ap.add_argument("--duration", type=int, default=None, help="s per c32 run (default 8; 3 with --quick)")
     ap.add_argument("--c1-duration", type=int, default=None, help="s per c1 run (default 5; 2 with --quick)")
     ap.add_argument("--warmup", type=int, default=None, help="s of warm-up before each run (default 2; 1)")
     ap.add_argument("--targets", default=",".join(ALL_TARGETS), help=f"comma list of {', '.join(ALL_TARGETS)}")
     ap.add_argument("--kinds", default="c32,c1,stream", help="which runs: c32, c1, stream")
+    ap.add_argument("--instances", default="vllm,pdserve", help="what the stubs answer like: vllm, pdserve or both")
+    ap.add_argument("--protocol", default="pull", choices=["pull", "push", "decode-first"],
+                    help="the pdserve gateway's protocol (the peer routers run their pull)")
+    ap.add_argument("--profile", metavar="DIR", help="then py-spy the pdserve gateway (one c32 and one c1 run)")
     ap.add_argument("--no-idle", action="store_true", help="skip the idle-CPU window")
     ap.add_argument("--json", help="write every run and the summary here")
     ap.add_argument("--base", help="another checkout whose pdserve gateway runs beside this one (pdserve-base)")
     args = ap.parse_args()
-    rounds = args.rounds or (1 if args.quick else 3)
-    duration, c1_duration = args.duration or (3 if args.quick else 8), args.c1_duration or (2 if args.quick else 5)
-    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
+    args.rounds = args.rounds if args.rounds is not None else (1 if args.quick else 3)  # 0: --profile alone
+    args.duration, args.c1_duration = args.duration or (3 if args.quick else 8), args.c1_duration or (2 if args.quick else 5)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     targets, kinds = [t for t in args.targets.split(",") if t], [k for k in args.kinds.split(",") if k]
+    instances = [i for i in args.instances.split(",") if i]
     if args.base and "pdserve-base" not in targets:
         targets.append("pdserve-base")
-    if set(targets) - set(ALL_TARGETS) - {"pdserve-base"} or set(kinds) - {"c32", "c1", "stream"}:
-        ap.error("unknown target or kind")
+    if (set(targets) - set(ALL_TARGETS) - {"pdserve-base"} or set(kinds) - {"c32", "c1", "stream"}
+            or set(instances) - {"vllm", "pdserve"}):
+        ap.error("unknown target, kind or instances")
+    if args.protocol != "pull":
+        targets = [t for t in targets if t not in ("vllm-router", "sglang-router")]  # they speak pull only
     cleanup = H.Cleanup()
     work = cleanup.work_dir("gateway")
-    print(f"# gateway overhead (load {H.loadavg()}, {os.cpu_count()} cores, body {len(BODY)} B; rounds {rounds}, "
-          f"c32 {duration} s, c1 {c1_duration} s, warm-up {warmup} s)", flush=True)
+    print(f"# gateway overhead (load {H.loadavg()}, {os.cpu_count()} cores, body {len(BODY)} B; rounds {args.rounds}, "
+          f"c32 {args.duration} s, c1 {args.c1_duration} s, warm-up {args.warmup} s)", flush=True)
     try:
-        stubs = [spawn(f"stub-{r[0].upper()}", [sys.executable, str(BENCH / "stub_backend.py"), "--port", "0",
-                                                "--role", r], work, cleanup, ready_line=True)
-                 for r in ("prefill", "decode")]
-        routers = {t: start_target(t, stubs[0].url, stubs[1].url, work, cleanup, args.base)
-                   for t in targets if t != "direct"}
-        urls = {"direct": stubs[1].url, **{t: p.url for t, p in routers.items()}}
-        problems = [p for t in targets for p in sanity(t, urls[t], t in STREAM_TARGETS and "stream" in kinds)]
-        if problems:
-            print("SANITY:\n  " + "\n  ".join(problems))
-            return 1
-        scripts = {}
-        for kind, body in (("c32", BODY), ("c1", BODY), ("stream", STREAM_BODY)):
-            scripts[kind] = work / f"{kind}.lua"
-            scripts[kind].write_text(WRK_LUA.format(body=json.dumps(body.decode())))
-        bench, runs, idles = Bench(stubs, routers, scripts), [], []
-        for rnd in range(rounds):
-            if not args.no_idle and routers:
-                idles.append(bench.idle(duration))
-                print(f"[round {rnd + 1}/{rounds}] idle: " + ", ".join(
-                    f"{k} {v * 100:.2f}%" for k, v in idles[-1]["cores"].items()), flush=True)
-            for kind, conns, seconds in (("c32", 32, duration), ("c1", 1, c1_duration), ("stream", 32, duration)):
-                names = [t for t in targets if kind in kinds and (kind != "stream" or t in STREAM_TARGETS)]
-                for name in names[rnd % max(len(names), 1):] + names[:rnd % max(len(names), 1)]:
-                    if warmup:
-                        run_wrk(urls[name], scripts[kind], conns, warmup)
-                    runs.append({**bench.run(name, urls[name], kind, conns, seconds), "round": rnd})
-                    r = runs[-1]
-                    print(f"[round {rnd + 1}/{rounds}] {kind:6s} {name:13s} {r['rps']:7.0f} req/s  router "
-                          f"{H.fmt(r['router_us_per_req'], '.0f'):>5s} us/req  p50 {r['p50_ms']:.3f} p99 "
-                          f"{r['p99_ms']:.3f} ms  errors {r['errors']}  others {r['others_cores']:.2f}", flush=True)
-        summary = summarize(runs, idles)
-        checks = print_tables(summary, targets)
+        results = {}
+        for kind in instances:
+            result = measure(kind, args, targets, kinds, cleanup, work)
+            if result is None:
+                return 1
+            results[kind] = result
         print(f"\nload at the end: {H.loadavg()}")
-        H.write_json(args.json, {"args": vars(args), "runs": runs, "idle": idles, "summary": summary, "checks": checks})
+        H.write_json(args.json, {"args": vars(args), "by_instances": results})
         return 0
     finally:
         cleanup.run()

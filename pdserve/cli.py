@@ -1,4 +1,4 @@
-"""`pdserve` command line: serve, gateway, make-model."""
+"""`pdserve` command line: serve, gateway, register, make-model."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from pdserve.membership.sidecar import add_register_parser
     from pdserve.modelgen.cli import add_make_model_parser
     from pdserve.server.launch import add_serve_parser
 
@@ -16,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(sub)
     add_make_model_parser(sub)
+    add_register_parser(sub)
     try:
         from pdserve.gateway.cli import add_gateway_parser
     except ImportError:  # the gateway is optional while it is being built
@@ -35,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
         from pdserve.modelgen.cli import run_make_model
 
         return run_make_model(args)
+    if args.command == "register":
+        from pdserve.membership.sidecar import run_register
+
+        return run_register(args)
     if args.command == "gateway":
         from pdserve.gateway.cli import run_gateway
 

@@ -17,6 +17,9 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv_transfer.decode_first import DecodeFirstClient
 from pdserve.kv_transfer.factory import DEFAULT_CONNECTOR, build_connectors
 from pdserve.kv_transfer.layouts import PDSERVE
+from pdserve.membership.drain import DrainState
+from pdserve.membership.member import InstanceMember, MemberOptions
+from pdserve.membership.record import MemberRecord
 from pdserve.multimodal.media import MediaPolicy
 from pdserve.multimodal.prompt import MultimodalPrompter
 from pdserve.net.auth import bearer_header
@@ -91,6 +94,16 @@ class Instance:
             kv_sources=bundle.kv_sources() if bundle else [],
             kv_sinks=["vllm-nixl"] if bundle and bundle.agent.vllm_producer is not None else [],
             kv_layout=PDSERVE if bundle else None, kv_block_size=self.config.block_size if bundle else None)
+
+    def member(self, options: MemberOptions) -> InstanceMember:
+        """This instance's registration (when options name a store) and drain."""
+        info = self.info()
+        record = MemberRecord(url=options.advertise_url, role=self._kv_role(), model=self.config.model_name,
+                              info=info, labels=options.labels, source="self")
+        bundle, engine = self.connectors, self.engine
+        state = DrainState(bundle.held_for_others if bundle else (lambda: 0),
+                           bundle.release_all_held if bundle else (lambda: 0), lambda: engine.kv.num_used_blocks)
+        return InstanceMember(options, lambda: record, state)
 
     def _ec_produces(self) -> bool:
         return self.config.role == "encode" or self.config.ec_transfer_config.get("ec_role") in ("ec_producer",

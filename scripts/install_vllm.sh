@@ -19,8 +19,9 @@
 # expect, as empty schemas, before torchvision imports. Text-only instances never see it.
 #
 # scripts/install_vllm.sh --pdserve-deps DIR [VENV] installs into DIR what pdserve's PdConnector needs inside vLLM
-# and vLLM's venv lacks (xxhash, which has no dependencies), for PYTHONPATH of vLLM instances that run the
-# connector from a pdserve checkout: vLLM's venv, and its torch, stay untouched.
+# and vLLM's venv lacks (xxhash; redis, hiredis and Mooncake's store client for the KV store tier; none has
+# dependencies vLLM's venv lacks), for PYTHONPATH of vLLM instances that run the connector from a pdserve checkout:
+# vLLM's venv, and its torch, stay untouched.
 set -euo pipefail
 
 if [ "${1:-}" = "--pdserve-deps" ]; then
@@ -28,7 +29,8 @@ if [ "${1:-}" = "--pdserve-deps" ]; then
     VENV=${3:-$(cd "$(dirname "$0")/.." && pwd)/.cache/vllm}
     [ -f "$DEPS/.installed" ] && exit 0
     rm -rf "$DEPS"
-    "$VENV/bin/python" -m pip --quiet install --no-deps --target "$DEPS" "xxhash>=3"
+    "$VENV/bin/python" -m pip --quiet install --no-deps --target "$DEPS" "xxhash>=3" "redis>=5" "hiredis>=3" \
+        mooncake-transfer-engine-non-cuda==0.3.13.post1
     touch "$DEPS/.installed"
     exit 0
 fi

@@ -1,8 +1,24 @@
 """Shared fixtures for the engine tests: tiny models built once per session, engines that must end clean.
 
-Every test runs single-threaded (the CI machine has two cores and pytest runs one test at a time).
-Engines made through `make_llm` are checked at teardown: a test that leaves a KV block referenced fails,
-so block leaks show up in whichever test causes them.
+Every test runs single-threaded (torch threads 1). Engines made through `make_llm` are checked at teardown: a test
+that leaves a KV block referenced fails, so block leaks show up in whichever test causes them.
+
+`make test` runs the suite in parallel pytest-xdist workers (`-n 4 --dist loadfile`); `pytest -q tests/test_x.py`
+still runs one file in one process. Rules that keep a test safe in parallel workers:
+* One file runs on one worker, in file order, so a module-scoped fixture (a server shared by a file's tests) is
+  made once. Session-scoped fixtures are made once per worker: keep them for what is cheap or per process.
+* Files that must never run at the same time as each other go together into FILE_GROUPS (one worker runs them in
+  turn): e.g. files whose vLLM instances busy-poll a core.
+* Ports: servers bind port 0 and announce the port they got. A port chosen before its process binds it (a
+  third-party server, a restart on the same port, an address meant to be dead) comes from `peers.reserved_port()`,
+  which draws from this worker's own slice below the ephemeral range; never bind port 0, close it and reuse it.
+* Files: tmp_path / tmp_path_factory (each worker has its own base folder), never a fixed path under /tmp.
+  An install into .cache (vLLM, peer routers) runs under `peers.cache_lock(name)` and checks its stamp inside it.
+* Network namespaces are named with the test process's PID (tests/netns.py); any new ones must be too.
+* Other tests run beside yours, so every step can take several times longer than alone: wait on a condition with
+  a generous deadline, never sleep for a fixed time and then assert; never assert on elapsed time or on the
+  box's CPU use (a test may measure one process it started).
+* Start every process through a fixture or try/finally that stops it by PID, also when the test fails.
 """
 
 from __future__ import annotations
@@ -40,6 +56,31 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = [item for item in items if not breadth_only(item)]
+
+
+# Files that one pytest-xdist worker runs one after another, never beside each other: each starts vLLM instances
+# with the NixlConnector, and each such instance busy-polls a core, so two of these files at once would take four.
+FILE_GROUPS = {"vllm-nixl": ("test_vllm_fleet.py", "test_vllm_nixl.py", "test_vllm_nixl_sink.py",
+                             "test_vllm_pairing.py")}
+
+
+@pytest.hookimpl(optionalhook=True)  # a run without pytest-xdist has no such hook
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under `-n N --dist loadfile`: a whole file runs on one worker (its module-scoped servers start once), and
+    the files of a FILE_GROUPS entry run on one worker. (pytest-xdist's own `xdist_group` marks do nothing with
+    pytest 9.2, which no longer reads the node id that xdist rewrites to carry the group.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    group_of = {name: group for group, names in FILE_GROUPS.items() for name in names}
+
+    class FileGroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return group_of.get(Path(path).name, path)
+
+    return FileGroupScheduling(config, log)
 
 
 # Small enough to keep every engine cheap to build (the default budget zeroes ~0.5 GiB of KV cache).

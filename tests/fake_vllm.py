@@ -14,7 +14,7 @@ be paired with a real pdserve prefill instance.
 
     python tests/fake_vllm.py --record FILE [--fail-status 503] [--hang] [--engine-id ID] [--kind vllm|pdserve]
                               [--poison PROMPT] [--health-delay SECONDS] [--port PORT]
-                              [--die-after-headers]
+                              [--die-after-headers] [--refuse-kv-params]
 """
 
 from __future__ import annotations
@@ -49,6 +49,10 @@ def make_app(args: argparse.Namespace) -> web.Application:
                                                 "code": args.fail_status}}, status=args.fail_status)
         counter["n"] += 1
         params = body.get("kv_transfer_params") or {}
+        if args.refuse_kv_params and params.get("do_remote_prefill"):  # a D that cannot read what P handed out
+            return web.json_response({"error": {"message": "kv_transfer_params.remote_request_id must be a non-empty "
+                                                "string", "type": "BadRequestError", "param": "kv_transfer_params",
+                                                "code": 400}}, status=400)
         if params.get("do_remote_decode"):
             rid = f"cmpl-{request.headers.get('X-Request-Id', 'x')}-0-{counter['n']:08x}"
             return web.json_response({
@@ -159,6 +163,7 @@ if __name__ == "__main__":
     parser.add_argument("--engine-id", default="fake-engine")
     parser.add_argument("--kind", choices=["vllm", "pdserve"], default="vllm")
     parser.add_argument("--poison", default=None)
+    parser.add_argument("--refuse-kv-params", action="store_true", help="answer 400 to a decode with P's params")
     parser.add_argument("--health-delay", type=float, default=0.0)
     parser.add_argument("--port", type=int, default=0)
     asyncio.run(main(parser.parse_args()))

@@ -2,18 +2,32 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import random
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
 
-PEERS_DIR = Path(__file__).resolve().parent.parent / ".cache" / "peers"
+CACHE = Path(__file__).resolve().parent.parent / ".cache"
+PEERS_DIR = CACHE / "peers"
+
+
+@contextmanager
+def cache_lock(name: str) -> Iterator[None]:
+    """Hold .cache/<name>.lock: one install into .cache at a time, across pytest-xdist workers and parallel runs.
+    A process that waited finds the install done (each installer checks its stamp first) and does nothing."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        yield
 
 
 def peer_binary(package: str, binary: str) -> Path:
@@ -23,23 +37,18 @@ def peer_binary(package: str, binary: str) -> Path:
     """
     venv = PEERS_DIR / package
     exe = venv / "bin" / binary
-    if exe.exists():
-        return exe
-    try:
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True, timeout=120)
-        subprocess.run([str(venv / "bin" / "pip"), "install", "--quiet", package], check=True, capture_output=True,
-                       timeout=600)
-    except (subprocess.SubprocessError, OSError) as exc:
-        if os.environ.get("CI") == "true":
-            raise
-        pytest.skip(f"cannot install {package}: {exc}")
+    with cache_lock("peers"):
+        if exe.exists():
+            return exe
+        try:
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True, timeout=120)
+            subprocess.run([str(venv / "bin" / "pip"), "install", "--quiet", package], check=True,
+                           capture_output=True, timeout=600)
+        except (subprocess.SubprocessError, OSError) as exc:
+            if os.environ.get("CI") == "true":
+                raise
+            pytest.skip(f"cannot install {package}: {exc}")
     return exe
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ephemeral_low() -> int:
@@ -51,13 +60,27 @@ def ephemeral_low() -> int:
         return 32768
 
 
+RESERVED_SPAN = 12000  # ports below the ephemeral range that reserved_port hands out
+
+
+def worker_slice(low: int) -> range:
+    """This pytest process's share of the reserved span: under pytest-xdist each worker (gw0, gw1, ...) draws from
+    its own slice, so two workers can never hand out the same port before either process has bound it."""
+    first = max(1024, low - RESERVED_SPAN)
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    width = (low - first) // count
+    return range(first + index * width, first + (index + 1) * width)
+
+
 def reserved_port(handed_out: set[int] = set()) -> int:  # noqa: B006 - remembers ports this process handed out
-    """A free port for a process that binds it only much later (vLLM imports for 20 s before binding its side
-    channel): taken below the ephemeral range, so no bind to port 0 by anything started meanwhile can take it,
-    which is what a port from `free_port` suffered in a full run ("Address already in use")."""
-    low = ephemeral_low()
+    """A free port for a process that binds it only later (vLLM imports for 20 s before binding its side channel,
+    a restarted server binds its old port again): taken below the ephemeral range, so no bind to port 0 by
+    anything started meanwhile can take it (a port bound to 0 and freed was taken so in a full run: "Address
+    already in use"), and from this worker's own slice of that range (`worker_slice`)."""
+    ports = worker_slice(ephemeral_low())
     for _ in range(200):
-        port = random.randrange(max(1024, low - 12000), low)
+        port = random.choice(ports)
         if port in handed_out:
             continue
         try:

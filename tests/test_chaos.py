@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from pdserve.launcher import start, start_instance
+from peers import reserved_port
 from server_utils import metric_values, sse_events, wait_for, wait_until_idle
 
 # A small token budget: a prompt takes several steps, so a kill can land in the middle of a prefill.
@@ -174,16 +175,10 @@ def test_kill_decode_during_decode(models, protocol):
         survivors_idle(procs, ["P1"])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_restarted_prefill_with_a_new_engine_id(models):
     """Same address, new engine: new requests work, and D refuses parameters that name the old engine."""
     model = models("qwen2")
-    http_port, side_port = _free_port(), _free_port()
+    http_port, side_port = reserved_port(), reserved_port()
     p_args = ["--port", str(http_port)]
     p_kv = kv("kv_producer", side_channel_port=side_port)
     procs = {}

@@ -58,6 +58,19 @@ def test_malformed_params_and_releases_are_refused():
     assert parse_release({"transfer_id": XFER}).transfer_id == XFER
 
 
+def test_p_ids_built_from_long_external_ids_reach_d():
+    """P's own id is the external id plus what the engine adds ("chatcmpl-", a prompt index, a random suffix): from
+    a 256-character X-Request-Id (pdserve's bound) or an unbounded one (vLLM builds its ids from whatever it got, up
+    to the 8 KiB a header line may carry), a decode instance takes it as P handed it out."""
+    for rid in (f"chatcmpl-{'r' * 256}-1a2b3c4d", f"cmpl-{'r' * 8192}-0-1a2b3c4d"):
+        wire = {**pull().to_wire(), "remote_request_id": rid}
+        assert parse_kv_params(wire, max_blocks=8) == dataclasses.replace(pull(), remote_key=rid)
+    with pytest.raises(KVParamsError, match="remote_request_id"):
+        parse_kv_params({**pull().to_wire(), "remote_request_id": "r" * 9000}, max_blocks=8)
+    with pytest.raises(KVParamsError, match="remote_engine_id"):
+        parse_kv_params({**pull().to_wire(), "remote_engine_id": "e" * 300}, max_blocks=8)
+
+
 def test_ec_sources_round_trip_and_stay_lenient():
     p2p = ECSource(connector="ECP2PConnector", num_embeds=576, checksum=7, host="h", port=9, engine_id="e",
                    token="t")

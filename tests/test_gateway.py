@@ -164,6 +164,71 @@ def test_register_deregister_and_readiness(cluster):
         g.stop()
 
 
+@pytest.mark.parametrize("protocol", ["pull", "push", "decode-first"])
+def test_a_long_request_id_is_cut_and_the_request_served(cluster, protocol):
+    """An X-Request-Id far past what pdserve carries is cut (the answer's header says to what) and the request is
+    served as colocated serves it: P's own id, built from it and longer, still reaches D (pull, decode-first)."""
+    g = gateway("--prefill", cluster["P1"].url, "--decode", cluster["D1"].url, "--protocol", protocol)
+    try:
+        path, body = REQUESTS[0]
+        full = {**body, "model": "tiny", "temperature": 0, "ignore_eos": True}
+        r = httpx.post(g.url + path, json=full, headers={"X-Request-Id": "r" * 8000}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == reference(cluster, path, body)
+        used = r.headers["x-request-id"]
+        assert used == "r" * 256
+        for url in (g.url, cluster["P1"].url, cluster["D1"].url):  # the timeline is found under the id used
+            timeline = httpx.get(f"{url}/v1/timeline/{used}", timeout=10)
+            assert timeline.status_code == 200, (url, timeline.text)
+    finally:
+        g.stop()
+    idle_everywhere(cluster, ("P1", "D1"))
+
+
+def test_a_long_prompt_list_answers_with_headers_a_client_reads(cluster):
+    """5,000 prompts in one completion: the instance lists its internal ids in a header only as far as a few KB
+    allow (the rest are counted, and all of them are in the timeline), so a stock httpx client (16 KiB for the
+    whole head) reads the answer, directly and through a gateway."""
+    prompts = [[7, 8 + i % 50] for i in range(5000)]
+    g = gateway("--both", cluster["C"].url, "--protocol", "colocated")
+    try:
+        for name, url in (("instance", cluster["C"].url), ("gateway", g.url)):
+            r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": prompts, "max_tokens": 1},
+                           headers={"X-Request-Id": f"list-{name}"}, timeout=300)
+            assert r.status_code == 200, r.text
+            assert len(r.json()["choices"]) == 5000
+            assert max(len(v) for v in r.headers.values()) <= 4096, {k: len(v) for k, v in r.headers.items()}
+            if name == "instance":
+                listed = r.headers["x-pdserve-request-ids"].split(",")
+                omitted = int(r.headers["x-pdserve-request-ids-omitted"])
+        timelines = httpx.get(cluster["C"].url + "/v1/timeline/list-instance", timeout=30).json()["data"]
+        internal = [t["internal_request_id"] for t in timelines]
+        assert len(internal) == 5000 and len(listed) + omitted == 5000 and listed == internal[:len(listed)]
+    finally:
+        g.stop()
+
+
+def test_kv_params_an_instance_refuses_never_reach_the_client(recorded):
+    """D refuses the KV parameters P handed out (a 400 naming kv_transfer_params, which the client never sent):
+    the client gets D's own answer, computed without them, and the gateway counts why."""
+    start_fake, received = recorded
+    p, d = start_fake("P"), start_fake("D", "--refuse-kv-params")
+    g = gateway("--prefill", p.url, "--decode", d.url, "--retries", "0")
+    try:
+        r = httpx.post(g.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == " a b c"
+        first, second = received("D")
+        assert first["body"]["kv_transfer_params"]["do_remote_prefill"] is True
+        assert "kv_transfer_params" not in second["body"]
+        text = httpx.get(g.url + "/metrics", timeout=10).text
+        assert [s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == "pdserve:gateway_disagg_decisions_total"
+                and s.labels == {"decision": "local_prefill", "reason": "decode_refused_kv_params"}] == [1.0]
+    finally:
+        g.stop()
+
+
 def test_a_request_an_instance_refuses_leaves_every_other_client_served(cluster):
     """Bodies P answers with an error (whatever it is: compared with P's own direct answer) reach that client with
     P's status and message, while the clients around it are served as usual: no instance is taken away."""

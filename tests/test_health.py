@@ -16,7 +16,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.launcher import start
-from peers import free_port
+from peers import reserved_port
 from server_utils import wait_for
 
 
@@ -66,7 +66,7 @@ def test_an_error_answer_for_one_client_never_takes_the_instance_away(recorded):
 
 def test_a_killed_instance_opens_its_breaker_and_a_restarted_one_closes_it(recorded, tmp_path):
     start_fake, received = recorded
-    port = free_port()
+    port = reserved_port()
     p1, p2, d = start_fake("P1", "--port", str(port)), start_fake("P2"), start_fake("D")
     # Health checks of closed breakers are a minute apart: only the requests themselves can open P1's.
     config = {"probe_interval_s": 60.0, "breaker_failures": 2, "breaker_open_s": 0.3}
@@ -120,7 +120,7 @@ def test_slow_health_checks_do_not_drop_an_instance_that_serves(recorded, tmp_pa
 
 
 def test_startup_warns_when_no_instance_is_reachable():
-    dead = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    dead = [f"http://127.0.0.1:{reserved_port()}" for _ in range(2)]
     g = gateway("--prefill", dead[0], "--decode", dead[1])
     try:
         assert httpx.get(g.url + "/health").status_code == 503

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from pdserve.launcher import start_instance
-from peers import free_port, peer_binary, stop, wait_healthy
+from peers import peer_binary, reserved_port, stop, wait_healthy
 from server_utils import metric_values, sse_events, wait_until_idle
 
 pytestmark = pytest.mark.peer
@@ -27,11 +27,11 @@ def stack(models):
             procs.append(start_instance(model, *COMMON, "--kv-transfer-config",
                                         json.dumps({"kv_connector": "PdConnector", "kv_role": role}), name=name))
         procs.append(start_instance(model, *COMMON, name="C"))
-        port = free_port()
+        port = reserved_port()
         router = subprocess.Popen(
             [str(router_exe), "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation",
              "--prefill", procs[0].url, "--decode", procs[1].url, "--policy", "round_robin",
-             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--log-level", "warning"],
+             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(reserved_port()), "--log-level", "warning"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, router)

@@ -2,7 +2,8 @@
 
 Each block is run by `bash -e` in its own session, with only these mechanical substitutions, so the test works
 from any venv and beside other tests: `.venv/bin/pdserve` becomes this interpreter with `-m pdserve`, the fixed
-ports (8000, 8100, 8200) become free ephemeral ones, and `models/` becomes a temporary folder. The block must print
+ports (8000, 8001, 8100, 8200, and etcd's 2379 and 2380) become free ephemeral ones, and `models/` becomes a
+temporary folder. The block must print
 a real completion, stop everything it started by itself (its own `kill` line), and leave no port listening.
 """
 
@@ -12,6 +13,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -20,11 +22,10 @@ import time
 from pathlib import Path
 
 import pytest
-
-from tests.peers import free_port
+from peers import reserved_port
 
 README = Path(__file__).resolve().parent.parent / "README.md"
-FIXED_PORTS = ("8000", "8100", "8200")
+FIXED_PORTS = ("8000", "8001", "8100", "8200", "2379", "2380")
 BLOCK_DEADLINE_S = 240
 EXIT_DEADLINE_S = 30
 
@@ -65,7 +66,7 @@ def listening(port: int) -> bool:
 
 
 def run_block(block: str, tmp_path: Path) -> str:
-    ports = {port: str(free_port()) for port in FIXED_PORTS}
+    ports = {port: str(reserved_port()) for port in FIXED_PORTS}
     script = block.replace(".venv/bin/pdserve", f"{shlex.quote(sys.executable)} -m pdserve")
     script = re.sub(r"\b(%s)\b" % "|".join(FIXED_PORTS), lambda m: ports[m.group(1)], script)
     script = re.sub(r"(?<![\w/])models/", f"{tmp_path}/models/", script)
@@ -116,6 +117,16 @@ def test_cluster_block(tmp_path):
     [block, _llava_sketch] = bash_blocks("Run a 1P1D cluster by hand")
     answer = completion(run_block(block, tmp_path))
     assert answer["object"] == "text_completion" and answer["choices"][0]["text"]
+
+
+def test_fleet_block(tmp_path):
+    if shutil.which("etcd") is None and os.environ.get("CI") != "true":
+        pytest.skip("etcd-server is not installed (make install installs it)")
+    [block, _sidecar, _kubernetes] = bash_blocks("A fleet: several gateways on etcd, or on Kubernetes")
+    output = run_block(block, tmp_path)
+    listed = [obj for obj in json_objects(output) if "url" in obj and "role" in obj]
+    assert {i["role"] for i in listed} == {"prefill", "decode"}
+    assert completion(output)["choices"][0]["text"]
 
 
 def test_timeline_block(tmp_path):

@@ -22,7 +22,7 @@ import zmq
 from conftest import random_prompt
 from pdserve.kv_transfer.vllm_nixl.wire import AgentMetadata, HandshakePayload, ModelShape, compatibility_hash
 from pdserve.launcher import start_instance
-from peers import free_port
+from peers import reserved_port
 from server_utils import (assert_same_answer, completion_body, gateway_pull_equals_colocated, metric_values, toy_proxy,
                           wait_for, wait_until_idle)
 from vllm_live import ready, start_vllm, usage
@@ -104,7 +104,7 @@ def test_a_request_refused_before_admission_frees_vllm_prefill(pair):
 
 def fake_vllm_producer(shape: ModelShape, version: str, engine_id: str) -> tuple[int, threading.Event]:
     """A side channel that answers one handshake as vLLM `version` would (nothing else is asked of it)."""
-    port = free_port()
+    port = reserved_port()
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.bind(f"tcp://127.0.0.1:{port}")

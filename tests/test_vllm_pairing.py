@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import random_prompt
 from pdserve.launcher import LaunchError, start, start_instance
-from peers import free_port
+from peers import reserved_port
 from server_utils import metric_values, toy_proxy
 from vllm_live import ready, start_vllm, vllm_pulled
 
@@ -124,7 +124,7 @@ def test_pdserve_only_protocols_are_refused_with_vllm(fleet, protocol):
     with pytest.raises(LaunchError) as startup:
         gateway("--prefill", vp, "--decode", vd, "--protocol", protocol)
     assert f"can serve the {protocol} protocol" in str(startup.value) and VLLM_ONLY in str(startup.value)
-    not_up_yet = f"http://127.0.0.1:{free_port()}"
+    not_up_yet = f"http://127.0.0.1:{reserved_port()}"
     g = gateway("--prefill", vp, not_up_yet, "--decode", vd, "--protocol", protocol)
     try:
         r = httpx.post(f"{g.url}/v1/completions", json=body(PROMPTS[0]), timeout=60)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from peers import reserved_port, wait_healthy
+from peers import cache_lock, reserved_port, wait_healthy
 from server_utils import metric_values
 
 from pdserve.launcher import Process, start
@@ -53,9 +53,12 @@ def torchvision_shim() -> Path:
 
 
 def _install(what: str, *args: str) -> None:
+    """Run the install script under .cache/vllm.lock: pytest-xdist workers that need vLLM at once wait for the
+    first one's install instead of starting their own into the same folder (the script skips what is installed)."""
     try:
-        subprocess.run(["bash", str(INSTALL_SCRIPT), *args], check=True, capture_output=True, timeout=900,
-                       env={**os.environ, "PYTHON": getattr(sys, "_base_executable", sys.executable)})
+        with cache_lock("vllm"):
+            subprocess.run(["bash", str(INSTALL_SCRIPT), *args], check=True, capture_output=True, timeout=900,
+                           env={**os.environ, "PYTHON": getattr(sys, "_base_executable", sys.executable)})
     except (subprocess.SubprocessError, OSError) as exc:
         detail = (getattr(exc, "stderr", b"") or b"").decode(errors="replace")[-3000:]
         if os.environ.get("CI") == "true":
@@ -67,7 +70,7 @@ def pdserve_path() -> str:
     """PYTHONPATH for a vLLM instance that runs pdserve's PdConnector: this checkout, plus what pdserve needs and
     vLLM's venv lacks, installed apart (scripts/install_vllm.sh --pdserve-deps) so vLLM's venv stays as it is."""
     venv = vllm_venv()
-    deps = DEFAULT_VENV.parent / "vllm-pdserve-deps"
+    deps = DEFAULT_VENV.parent / "vllm-pdserve-deps-2"  # -2: with the KV store tier's clients
     if not (deps / ".installed").exists():
         _install("pdserve's dependencies for vLLM", "--pdserve-deps", str(deps), str(venv))
     return f"{ROOT}{os.pathsep}{deps}"

@@ -66,3 +66,12 @@ reset
 aggregate
 reduce
 is_empty
+# The gateway's per-role Kubernetes selectors: flags and config keys, read by name (f"{role}_selector") when the
+# gateway builds its discovery backends (pdserve/gateway/service.py).
+prefill_selector
+decode_selector
+both_selector
+encode_selector
+# Membership records carry where an instance publishes KV-cache events, verbatim, for the KV-event subscribers.
+kv_events
+replay_endpoint

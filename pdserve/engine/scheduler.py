@@ -326,7 +326,8 @@ class Scheduler:
             affected.add(rid)
             first = bad[0]
             self.kv.invalidate_from(rid, first)
-            if self.config.kv_load_failure_policy == "fail":
+            # A prefill instance's KV that failed fails the request under `fail`; a store's is only a miss.
+            if self.config.kv_load_failure_policy == "fail" and isinstance(request.kv_transfer_params, RemotePrefill):
                 self._end(request, "KV cache load failed (invalid blocks)")
                 continue
             request.num_computed_tokens = min(request.num_computed_tokens, first * bs)

@@ -10,7 +10,11 @@ import logging
 from typing import Any
 from urllib.parse import urlsplit
 
+import msgspec
+
 from pdserve.gateway.registry import Instance
+from pdserve.membership.etcd_client import EtcdError
+from pdserve.membership.record import MemberRecord, check_record
 from pdserve.net.addresses import resolve
 from pdserve.net.auth import peer
 from pdserve.net.json_body import decode_object
@@ -39,26 +43,43 @@ async def refused_target(url: str) -> str | None:
 
 
 async def membership(gateway: Any, scope: dict, body: bytes, path: str) -> tuple[int, dict[str, Any]]:
-    """Apply one register/deregister request; returns (status, JSON body)."""
+    """Apply one register/deregister request; returns (status, JSON body). With a store (etcd), the change is
+    written through to it, so every gateway following the store sees it."""
     try:
         data = decode_object(body)
-        url, role = data.get("url"), data.get("role", "both")
-        if not isinstance(url, str) or not isinstance(role, str):
-            raise TypeError("url and role must be strings")
+        url = data.get("url")
+        if not isinstance(url, str):
+            raise TypeError("url must be a string")
         if path == "/deregister":
-            removed = gateway.registry.remove(url)
+            removed = await gateway.membership.deregister(url)
             log.info("admin: %s deregistered %s (%s)", peer(scope), url, "removed" if removed else "not registered")
             return (200 if removed else 404), {"url": url, "removed": removed}
-        why = await refused_target(url)
+        record = registration(data)
+        why = await refused_target(record.url)
         if why is not None:
-            log.warning("admin: %s tried to register %s %s: refused, %s", peer(scope), role, url, why)
+            log.warning("admin: %s tried to register %s %s: refused, %s", peer(scope), record.role, url, why)
             return 400, _error(f"refused {url}: {why}")
-        instance = gateway.registry.add(url, role)
-    except (TypeError, ValueError) as exc:  # a BodyError, or the registry refusing the URL or role
+        await gateway.membership.register(record)
+    except (TypeError, ValueError) as exc:  # a BodyError, a malformed record, the registry refusing the URL
         return 400, _error(f"expected {{\"url\": ..., \"role\": ...}}: {exc}")
-    log.info("admin: %s registered %s instance %s", peer(scope), instance.role, instance.url)
+    except EtcdError as exc:
+        return 503, error_body(503, f"the membership store did not take the registration: {exc}")
+    log.info("admin: %s registered %s instance %s", peer(scope), record.role, record.url)
+    instance = gateway.registry.instances.get(record.url)
+    if instance is None:
+        return 200, {"url": record.url, "role": record.role, "healthy": False, "kind": None}
     await gateway.registry.probe_all()
     return 200, {"url": instance.url, "role": instance.role, "healthy": instance.healthy, "kind": kind(instance)}
+
+
+def registration(data: dict[str, Any]) -> MemberRecord:
+    """The record a `/register` body describes: url, role (default both), and optionally model, labels and
+    kv_events (where the instance publishes KV-cache events)."""
+    fields = {"role": "both", **{k: data[k] for k in ("url", "role", "model", "labels", "kv_events") if k in data}}
+    try:
+        return check_record(msgspec.convert({**fields, "source": "admin"}, MemberRecord))
+    except msgspec.ValidationError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def kind(instance: Instance) -> str | None:

@@ -53,27 +53,44 @@ class _ResponseTracker:
             self.complete = True
 
 
+# Most answers are out before this: watching for the client to leave starts only after it, so that a quick
+# request never pays for a watcher task (a client that left sooner is noticed this much later).
+WATCH_AFTER_S = 0.05
+
+
 async def _until_disconnect(receive: Any, work: Any, response: _ResponseTracker) -> None:
     """Run the proxying; if the client leaves first, cancel it (which cancels the legs and frees held KV).
 
-    The server reports a disconnect as soon as a complete answer went out; the work left then (a leg's last
-    bookkeeping) is let finish, so a served request is not counted as cancelled.
+    The work runs in the server's own task; a watcher task, started once the request outlived WATCH_AFTER_S,
+    cancels it when the client leaves. The server reports a disconnect as soon as a complete answer went out; the
+    work left then (a leg's last bookkeeping) is let finish, so a served request is not counted as cancelled.
     """
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(receive))
-    await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    watcher.cancel()
-    if not task.done() and not response.complete:
-        task.cancel()
+    task = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+    watchers: list[asyncio.Task] = []
+    timer = loop.call_later(WATCH_AFTER_S, lambda: watchers.append(
+        loop.create_task(_cancel_on_disconnect(receive, task, response))))
     try:
-        await task
+        await work
     except asyncio.CancelledError:
-        pass
+        watcher = watchers[0] if watchers else None
+        if watcher is None or not (watcher.done() and not watcher.cancelled() and watcher.result()):
+            raise  # not the client leaving: the server is stopping
+        task.uncancel()
+    finally:
+        timer.cancel()
+        for watcher in watchers:
+            watcher.cancel()
 
 
-async def _wait_disconnect(receive: Any) -> None:
+async def _cancel_on_disconnect(receive: Any, task: asyncio.Task, response: _ResponseTracker) -> bool:
+    """True when it cancelled `task`: the client left before its whole answer went out."""
     while (await receive())["type"] != "http.disconnect":
         pass
+    if response.complete:
+        return False
+    task.cancel()
+    return True
 
 
 def build_app(gateway: Gateway, access: AccessPolicy | None = None, log_requests: bool = True) -> Any:

@@ -49,6 +49,10 @@ class Deadlines:
     idle_s: float = 60.0  # between two chunks of D's answer
 
 
+# LegError.reason of a leg whose instance refused the kv_transfer_params the gateway gave it.
+KV_PARAMS_REFUSED = "kv_params_refused"
+
+
 class LegError(Exception):
     """A leg failed. `retryable` says whether another pair could succeed; `status`/`body` are passed to the
     client when the instance's own answer is the clearest error (e.g. a 400 about the prompt)."""
@@ -92,7 +96,7 @@ class Call:
     started: float = field(default_factory=time.monotonic)
     stage: Stage = Stage.CREATED
     attempt: int = 0
-    transfer_id: TransferId = field(default_factory=new_transfer_id)
+    transfer_id: TransferId = TransferId("")  # each attempt mints its own (new_attempt)
     first_byte_sent: bool = False
     excluded: set[str] = field(default_factory=set)
     picks: dict[str, Instance] = field(default_factory=dict)
@@ -100,6 +104,7 @@ class Call:
     prefill_usage: dict[str, Any] | None = None
     timings: dict[str, float] = field(default_factory=dict)
     timeline: Timeline | None = None  # legs' start, first byte and end, for /v1/timeline and traces
+    without_kv: bool = False  # an instance refused the gateway's KV parameters: D computes the prompt itself
     _counted: list[Instance] = field(default_factory=list)
     _upstream: list[Response] = field(default_factory=list)
     _leg_spans: dict[str, int] = field(default_factory=dict)  # tracing: the open span of each leg
@@ -225,7 +230,7 @@ class Call:
 
     def mark(self, event: str, **attrs: Any) -> None:
         if self.timeline is not None:
-            self.timeline.add(event, **attrs)
+            self.timeline.record(event, attrs)
 
     def leg_started(self, leg: str, instance: Instance, key: str | None = None) -> list[tuple[bytes, bytes]]:
         """Record a leg's start; when tracing, give it a span and the `traceparent` header that names it.
@@ -270,6 +275,11 @@ class Call:
             return LegError(leg, "unauthorized", f"{leg} instance {instance.url} refused the gateway's API key "
                             "(start the gateway with the instances' key: --instance-api-key)", retryable=False,
                             instance=instance)
+        if 400 <= status < 500 and b"kv_transfer_params" in raw and "kv_transfer_params" not in self.body:
+            # The instance refused parameters the gateway wrote, not the client (who sent none): never its answer.
+            return LegError(leg, KV_PARAMS_REFUSED, f"{leg} instance {instance.url} refused the gateway's "
+                            f"kv_transfer_params ({status}: {raw[:300].decode(errors='replace')})", status=502,
+                            retryable=False, instance=instance)
         # A 4xx is about the request itself: another pair would refuse it too, and its message is the answer.
         retryable = status >= 500
         reason = f"status_{status}"
@@ -292,6 +302,7 @@ class Call:
         self.first_byte_sent = True
         await self.send({"type": "http.response.start", "status": status,
                          "headers": [(b"content-type", b"application/json"),
+                                     (b"content-length", str(len(body)).encode()),  # a plain body, no chunk framing
                                      (b"x-request-id", self.request_id.encode())]})
         await self.send({"type": "http.response.body", "body": body, "more_body": False})
 

@@ -17,6 +17,7 @@ from pdserve.gateway.forwarders import FORWARDERS
 from pdserve.gateway.pairing import NoPairError
 from pdserve.gateway.policies import POLICIES
 from pdserve.gateway.service import Gateway, GatewayConfig
+from pdserve.membership.cli import DISCOVERY_KEYS, add_discovery_flags
 from pdserve.net.auth import AccessPolicy, resolve_admin_token
 from pdserve.net.listen import bind_socket, freeze_startup_objects, serve_announced
 from pdserve.startup import exit_on_startup_error
@@ -65,6 +66,7 @@ def add_gateway_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
                         "(default: $PDSERVE_ADMIN_TOKEN; with neither this nor --admin-port they are off)")
     p.add_argument("--admin-port", type=int, default=None, metavar="PORT",
                    help="serve /register and /deregister on 127.0.0.1:PORT (0 picks a free port)")
+    add_discovery_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
@@ -82,7 +84,8 @@ def load_config(args: argparse.Namespace) -> GatewayConfig:
         values = json.loads(text) if args.config.suffix == ".json" else tomllib.loads(text)
     for name in ("prefill", "decode", "both", "encode", "protocol", "scheduling", "policy", "retries", "conditional",
                  "min_prompt_tokens", "prefix_threshold", "tokenizer", "allow_client_kv_params", "otlp_traces_endpoint",
-                 "api_key", "instance_api_key", "admin_token", "admin_port", "max_request_body_bytes"):
+                 "api_key", "instance_api_key", "admin_token", "admin_port", "max_request_body_bytes",
+                 *DISCOVERY_KEYS):
         value = getattr(args, name)
         if value is not None:
             values[name] = value

@@ -58,8 +58,9 @@ def with_kv_params(body: dict[str, Any], params: dict[str, Any]) -> dict[str, An
 
 
 async def served_by_decode_alone(call: Call, decode: Instance) -> bool:
-    """Conditional disaggregation: when a remote prefill does not pay, D prefills itself (and this answers)."""
-    if call.gateway.conditional.use_remote_prefill(call.body, decode):
+    """Conditional disaggregation: when a remote prefill does not pay, D prefills itself (and this answers); and
+    so after an instance refused the KV parameters the gateway wrote (`call.without_kv`)."""
+    if not call.without_kv and call.gateway.conditional.use_remote_prefill(call.body, decode):
         return False
     await call.relay("decode", decode, call.body)
     return True
@@ -86,7 +87,7 @@ class Pull(Forwarder):
 
     async def run(self, call: Call) -> None:
         gw = call.gateway
-        staged = gw.scheduling == "staged"
+        staged = gw.scheduling == "staged" and not call.without_kv
         decode = None if staged else call.pick("decode")
         if decode is not None and await served_by_decode_alone(call, decode):
             return

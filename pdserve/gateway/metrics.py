@@ -2,16 +2,48 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable
+from itertools import accumulate
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from pdserve.gateway.health import BreakerState
 from pdserve.gateway.registry import Registry
 
 _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
             300.0)
+
+
+class _LegSeconds:
+    """pdserve:gateway_leg_seconds, counted without prometheus_client's Histogram, whose observe takes a lock for the
+    sum and another for the bucket (four observations per request cost the gateway more than its pairing did). The
+    gateway observes and is scraped on its one event-loop thread, so plain counts suffice; prometheus_client writes
+    them out at scrape time as the same histogram (buckets, _count, _sum)."""
+
+    name = "pdserve:gateway_leg_seconds"
+    documentation = ("Per-leg latency: prefill (P's whole answer), kv_ready (arrival to P's answer), "
+                     "decode_first_token (D's first byte after it was sent), e2e.")
+
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.bounds = list(buckets)
+        self.labels_le = [floatToGoString(b) for b in buckets] + ["+Inf"]
+        self.series: dict[str, tuple[list[int], list[float]]] = {}  # leg -> (count per bucket, [sum])
+
+    def observe(self, leg: str, seconds: float) -> None:
+        series = self.series.get(leg)
+        if series is None:
+            series = self.series[leg] = ([0] * (len(self.bounds) + 1), [0.0])
+        series[0][bisect_left(self.bounds, seconds)] += 1  # the first bucket whose bound is >= seconds
+        series[1][0] += seconds
+
+    def collect(self):
+        family = HistogramMetricFamily(self.name, self.documentation, labels=["leg"])
+        for leg, (counts, total) in list(self.series.items()):
+            family.add_metric([leg], list(zip(self.labels_le, accumulate(counts))), total[0])
+        yield family
 
 
 class _InstanceCollector:
@@ -80,10 +112,8 @@ class GatewayMetrics:
         self.protocol = protocol
         self.requests = Counter("pdserve:gateway_requests", "Client requests by outcome.", ["protocol", "outcome"],
                                 registry=r)
-        self.leg_seconds = Histogram("pdserve:gateway_leg_seconds",
-                                     "Per-leg latency: prefill (P's whole answer), kv_ready (arrival to P's answer), "
-                                     "decode_first_token (D's first byte after it was sent), e2e.", ["leg"],
-                                     buckets=_BUCKETS, registry=r)
+        self.leg_seconds = _LegSeconds(_BUCKETS)
+        r.register(self.leg_seconds)
         self.retries = Counter("pdserve:gateway_retries", "Attempts retried on a fresh pair.", ["leg", "reason"],
                                registry=r)
         self.failures = Counter("pdserve:gateway_leg_failures", "Failed legs by leg and reason.", ["leg", "reason"],
@@ -118,9 +148,10 @@ class GatewayMetrics:
 
     def request_done(self, outcome: str, e2e_s: float, timings: dict[str, float]) -> None:
         self.child(self.requests, self.protocol, outcome).inc()
-        self.child(self.leg_seconds, "e2e").observe(e2e_s)
+        observe = self.leg_seconds.observe
+        observe("e2e", e2e_s)
         for leg, seconds in timings.items():
-            self.child(self.leg_seconds, leg).observe(seconds)
+            observe(leg, seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.prom)

@@ -39,6 +39,20 @@ class Pairing:
         self.registry = registry
         self.protocol = protocol
         self.paired = protocol in PAIRED_PROTOCOLS
+        self._cache: dict[tuple[str, Instance | None], tuple[tuple, list[Instance]]] = {}
+
+    def candidates(self, role: str, partner: Instance | None) -> list[Instance]:
+        """`eligible` among the usable instances of `role`, worked out again only when an instance came, went,
+        changed health or said it is something else: every request asks twice, and the answer rarely changes."""
+        signature = self.registry.signature()
+        cached = self._cache.get((role, partner))
+        if cached is not None and cached[0] == signature:
+            return cached[1]
+        if len(self._cache) > 4 * len(signature) + 8:
+            self._cache.clear()  # partners that left the pool
+        found = self.eligible(role, self.registry.usable(role), partner)
+        self._cache[(role, partner)] = (signature, found)
+        return found
 
     def eligible(self, role: str, usable: list[Instance], partner: Instance | None) -> list[Instance]:
         """Those of `usable` that can be paired with `partner`, or, without one, with some healthy instance."""

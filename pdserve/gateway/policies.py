@@ -18,7 +18,8 @@ class Policy(ABC):
 
     @abstractmethod
     def pick(self, candidates: list[Instance], affinity: bytes = b"") -> Instance:
-        """Choose among usable candidates (never empty); `affinity` is a key like a prompt prefix."""
+        """Choose among usable candidates (never empty, and read-only: the gateway caches the list between requests);
+        `affinity` is a key like a prompt prefix."""
 
 
 class RoundRobin(Policy):

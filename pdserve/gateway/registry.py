@@ -15,11 +15,13 @@ from urllib.parse import urlsplit
 
 from pdserve.gateway.capabilities import Capabilities, learn
 from pdserve.gateway.health import Breaker, HealthPolicy
+from pdserve.membership.identity import DRAINING_HEADER, served_model
+from pdserve.membership.record import ROLES, MemberRecord, RecordError, normalise_url
 from pdserve.net.http_client import HttpClient, HttpPool, UpstreamError, UpstreamTimeout
 
 log = logging.getLogger(__name__)
+_DRAIN_HEADERS = frozenset({DRAINING_HEADER})  # the one upstream header the gateway reads: on /health probes
 
-ROLES = ("prefill", "decode", "both", "encode")
 _LOAD_METRICS = {b"vllm:num_requests_running": "running", b"vllm:num_requests_waiting": "waiting",
                  b"vllm:kv_cache_usage_perc": "kv_usage"}
 
@@ -35,10 +37,13 @@ class Instance:
     waiting: float = 0.0
     kv_usage: float = 0.0
     caps: Capabilities | None = None  # what it is; learned on each probe, None until it first answered
+    record: MemberRecord | None = None  # the membership record it was built from (set by Registry.join)
+    draining: bool = False  # its /health says it is draining: no new work, whatever its breaker says
+    model: str | None = None  # the model it answered it serves, when its record names one to check
 
     @property
     def healthy(self) -> bool:
-        return self.breaker.closed
+        return self.breaker.closed and not self.draining
 
     @property
     def load(self) -> float:
@@ -58,33 +63,50 @@ class Registry:
         self.health = health or HealthPolicy()
         self.scrape_interval_s = scrape_interval_s
         self._tasks: list[asyncio.Task] = []
+        self._probes: set[asyncio.Task] = set()  # first checks of members that joined while running
 
     # -- membership ---------------------------------------------------------------------------------------
     def add(self, url: str, role: str) -> Instance:
-        if role not in ROLES:
-            raise ValueError(f"unknown role {role!r}; choose one of {', '.join(ROLES)}")
-        url = url.rstrip("/")
-        parts = urlsplit(url)
-        if parts.scheme != "http" or not parts.hostname or not parts.port:
-            raise ValueError(f"instance URL must look like http://host:port, got {url!r}")
+        """A member by URL and role alone (flags, config file)."""
+        return self.join(MemberRecord(url=url, role=role, source="static"))
+
+    def join(self, record: MemberRecord) -> Instance:
+        """Add the instance a membership record describes, or update the one at its URL."""
+        if record.role not in ROLES:
+            raise ValueError(f"unknown role {record.role!r}; choose one of {', '.join(ROLES)}")
+        try:
+            url = normalise_url(record.url)
+        except RecordError as exc:
+            raise ValueError(str(exc)) from None
         existing = self.instances.get(url)
         if existing is not None:
-            existing.role = role
+            if existing.record is not None and existing.record.model != record.model:
+                existing.model = None  # check the instance against the model its new record names
+            existing.role, existing.record = record.role, record
             return existing
-        instance = Instance(url=url, role=role, pool=self.client.pool(parts.hostname, parts.port),
-                            breaker=Breaker(self.health, url))
-        self.instances[url] = instance
-        log.info("registered %s instance %s", role, url)
+        parts = urlsplit(url)
+        instance = Instance(url=url, role=record.role, pool=self.client.pool(parts.hostname, parts.port),
+                            breaker=Breaker(self.health, url), record=record)
+        self.instances = {**self.instances, url: instance}
+        if self._tasks:  # running: check it now, so that it can take traffic at once, not at the next tick
+            probe = asyncio.create_task(self._probe(instance))
+            self._probes.add(probe)
+            probe.add_done_callback(self._probes.discard)
         return instance
 
     def remove(self, url: str) -> bool:
-        instance = self.instances.pop(url.rstrip("/"), None)
-        if instance is not None:
-            log.info("deregistered %s", instance.url)
-        return instance is not None
+        url = url.rstrip("/")
+        if url not in self.instances:
+            return False
+        self.instances = {k: v for k, v in self.instances.items() if k != url}
+        return True
 
     def usable(self, role: str) -> list[Instance]:
         return [i for i in self.instances.values() if i.healthy and i.serves(role)]
+
+    def signature(self) -> tuple:
+        """Everything `usable` and pairing read, per instance: equal signatures, equal answers (a cache key)."""
+        return tuple((i, i.role, i.breaker.state, i.draining, i.caps) for i in self.instances.values())
 
     def has_route(self, needs: tuple[str, ...]) -> bool:
         return all(self.usable(role) for role in needs)
@@ -100,9 +122,10 @@ class Registry:
         self._tasks = [asyncio.create_task(self._probe_loop()), asyncio.create_task(self._scrape_loop())]
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        tasks = [*self._tasks, *self._probes]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def probe_all(self) -> None:
         """Check every instance now, whatever its breaker says (startup, registration)."""
@@ -128,13 +151,30 @@ class Registry:
         instance.breaker.probe_result(detail == "", slow, detail)
 
     async def _check(self, instance: Instance) -> str:
-        """One health check: "" if the instance is fit for traffic, else why not."""
-        response = await instance.pool.request("GET", "/health", connect_timeout=self.health.probe_timeout_s)
+        """One health check: "" if the instance is fit for traffic, else why not. A draining instance is fit
+        (it finishes what it runs) but takes no new work: that is membership, not health."""
+        response = await instance.pool.request("GET", "/health", connect_timeout=self.health.probe_timeout_s,
+                                               read_headers=_DRAIN_HEADERS)
         await response.read()
-        if response.status != 200:
+        draining = response.header(DRAINING_HEADER) is not None
+        if draining != instance.draining:
+            log.info("instance %s %s", instance.url, "is draining: no new work" if draining else "no longer drains")
+            instance.draining = draining
+        if response.status != 200 and not draining:
             return f"/health answered {response.status}"
         if not await self._learn(instance):
             return "it did not say what it is (info endpoint or /version unreadable)"
+        return await self._check_model(instance)
+
+    async def _check_model(self, instance: Instance) -> str:
+        """An instance whose record names a model must answer as that model (asked until it once did, and again
+        whenever its breaker is not closed: a restart may bring another model to the same address)."""
+        expected = instance.record.model if instance.record is not None else None
+        if expected is None or (instance.model == expected and instance.breaker.closed):
+            return ""
+        instance.model = await served_model(instance.pool)
+        if instance.model != expected:
+            return f"it serves model {instance.model!r}, but registered as {expected!r}"
         return ""
 
     async def _learn(self, instance: Instance) -> bool:

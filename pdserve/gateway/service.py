@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from pdserve.gateway.call import Call, Deadlines, LegError, Stage
+from pdserve.gateway.call import KV_PARAMS_REFUSED, Call, Deadlines, LegError, Stage
 from pdserve.gateway.conditional import ConditionalDisagg
 from pdserve.gateway.encode import EncodeFanout
 from pdserve.gateway.forwarders import make_forwarder
@@ -22,6 +22,10 @@ from pdserve.gateway.prompt_list import PromptListMerger, split_prompts
 from pdserve.gateway.registry import Instance, Registry
 from pdserve.gateway.release import KVReleaser
 from pdserve.ids import TransferId
+from pdserve.membership.membership import Membership
+from pdserve.membership.metrics import MembershipCollector
+from pdserve.membership.record import MemberRecord, check_record
+from pdserve.membership.sources import KubernetesOptions, discovery_sources
 from pdserve.net.auth import bearer_header, resolve_api_keys
 from pdserve.net.body import DEFAULT_MAX_BODY_BYTES
 from pdserve.net.http_client import HttpClient
@@ -62,6 +66,15 @@ class GatewayConfig:
     admin_token: str | None = None  # Bearer token for /register and /deregister (else PDSERVE_ADMIN_TOKEN)
     admin_port: int | None = None  # or serve them on this loopback port
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    discovery: str | None = None  # etcd://HOST:PORT[,...]/PREFIX, k8s[://NAMESPACE], or None: flags and /register
+    discovery_relist_s: float = 30.0  # every backend lists the whole membership at least this often
+    selector: str | None = None  # k8s: pods that match, their role from labels
+    prefill_selector: str | None = None
+    decode_selector: str | None = None
+    both_selector: str | None = None
+    encode_selector: str | None = None
+    discovery_namespace: str | None = None
+    discovery_port: int | None = None
 
 
 class Gateway:
@@ -82,15 +95,17 @@ class Gateway:
         self.conditional = ConditionalDisagg(self.metrics, config.conditional, config.min_prompt_tokens,
                                              config.prefix_threshold, config.tokenizer)
         self.releaser = KVReleaser(self.metrics, config.deadlines.connect_s, config.release_timeout_s)
-        for role in ("prefill", "decode", "both", "encode"):
-            for url in getattr(config, role):
-                self.registry.add(url, role)
+        self.membership = Membership(discovery_sources(_static_records(config), config.discovery,
+                                                       config.discovery_relist_s, _k8s_options(config)),
+                                     self.registry.join, self.registry.remove)
+        self.metrics.prom.register(MembershipCollector(self.membership, self.registry))
         self.encoder = EncodeFanout(self)
         self.tracing = make_exporter(config.otlp_traces_endpoint, "pdserve-gateway")
         self.timelines = TimelineStore(self.tracing)
 
     async def start(self) -> None:
         """Raises NoPairError when the pool can never serve the configured protocol."""
+        await self.membership.start()
         await self.registry.probe_all()
         instances = list(self.registry.instances.values())
         if instances and not any(i.healthy for i in instances):
@@ -100,6 +115,7 @@ class Gateway:
         self.registry.start()
 
     async def stop(self) -> None:
+        await self.membership.stop()
         await self.registry.stop()
         await self.releaser.drain()
         self.client.close()
@@ -120,8 +136,8 @@ class Gateway:
     def pick(self, role: str, excluded: set[str], affinity: bytes, partner: Instance | None = None) -> Instance:
         """An instance for `role`; in a disaggregated protocol, one that can exchange KV with `partner` (or, for
         the first of a pair, with some healthy instance of the other role)."""
-        usable = self.pairing.eligible(role, self.registry.usable(role), partner)
-        candidates = [i for i in usable if i.url not in excluded] or usable
+        usable = self.pairing.candidates(role, partner)
+        candidates = ([i for i in usable if i.url not in excluded] or usable) if excluded else usable
         if not candidates:
             raise NoInstanceError(self.pairing.why_none(role, partner))
         return self.policies[role].pick(candidates, affinity)
@@ -162,7 +178,8 @@ class Gateway:
             timeline.finish(outcome=outcome)
 
     async def _attempts(self, call: Call) -> str:
-        for attempt in range(self.config.retries + 1):
+        retries_left = self.config.retries
+        while True:
             call.new_attempt()
             try:
                 await self.forwarder.run(call)
@@ -172,16 +189,31 @@ class Gateway:
                 return "no_instance"
             except LegError as exc:
                 self.metrics.failures.labels(exc.leg, exc.reason).inc()
+                if exc.reason == KV_PARAMS_REFUSED and not call.without_kv and not call.first_byte_sent:
+                    self._without_kv(call, exc)
+                    continue
                 self._abandon(call)
                 if exc.instance is not None:
                     call.excluded.add(exc.instance.url)
-                if exc.retryable and not call.first_byte_sent and attempt < self.config.retries:
+                if exc.retryable and not call.first_byte_sent and retries_left > 0:
+                    retries_left -= 1
                     self.metrics.retries.labels(exc.leg, exc.reason).inc()
                     log.info("request %s: %s; retrying on another pair", call.request_id, exc)
                     continue
                 await self._fail(call, exc.status, _body_of(exc))
                 return f"{exc.leg}_failed"
-        return "error"
+
+    def _without_kv(self, call: Call, exc: LegError) -> None:
+        """An instance refused the KV parameters the gateway wrote (a mismatch between instances, or between the
+        gateway and one): the next attempt sends D the client's own body, D computes the prompt, and the client
+        gets its answer rather than an error about parameters it never sent. What P may hold is freed now."""
+        log.warning("request %s: %s; D computes the prompt itself", call.request_id, exc)
+        prefill = call.picks.get("prefill")
+        if prefill is not None and call.held is None and call.stage is not Stage.CREATED:
+            self.release_transfer(prefill, call.transfer_id)  # pull holds call.held, freed by end_attempt
+        call.end_attempt()
+        call.without_kv = True
+        self.metrics.decision("local_prefill", f"{exc.leg}_refused_kv_params")
 
     def _abandon(self, call: Call) -> None:
         """End this attempt's legs; if P was prefilling, make sure nothing it may have held stays held."""
@@ -200,6 +232,17 @@ class Gateway:
             await call.finish()
             return
         await call.respond_json(status, payload)
+
+
+def _static_records(config: GatewayConfig) -> list[MemberRecord]:
+    return [check_record(MemberRecord(url=url, role=role, source="static"))
+            for role in ("prefill", "decode", "both", "encode") for url in getattr(config, role)]
+
+
+def _k8s_options(config: GatewayConfig) -> KubernetesOptions:
+    roles = {role: getattr(config, f"{role}_selector") for role in ("prefill", "decode", "both", "encode")}
+    return KubernetesOptions(config.selector, {r: s for r, s in roles.items() if s}, config.discovery_namespace,
+                             config.discovery_port)
 
 
 def _body_of(exc: LegError) -> bytes | dict:

@@ -21,6 +21,10 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.ids import new_engine_id
+from pdserve.kv_store.chain import ChainScheduler, ChainWorker
+from pdserve.kv_store.factory import build_store, chain_scheduler, chain_worker, namespace_for, store_entry
+from pdserve.kv_store.metrics import STORE_METRICS, store_metric_values
+from pdserve.kv_store.tier import KVStoreTier
 from pdserve.kv_transfer.agent import AgentConfig, TransferAgent
 from pdserve.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker
 from pdserve.kv_transfer.data_plane import DATA_PLANES, DataPlane, make_data_plane
@@ -64,6 +68,7 @@ class ConnectorBundle:
     fault_api: bool = False  # whether POST /v1/kv/faults may switch fault injection at run time
     load_failure_policy: str = "recompute"
     loads_vllm: bool = False  # whether vLLM NixlConnector producers' KV is loaded (else it is foreign)
+    store: KVStoreTier | None = None  # the shared KV store tier, whose halves sit beside PdConnector's
     foreign_params: int = 0  # requests whose remote-prefill parameters were another engine's
     _foreign_seen: set[str] = field(default_factory=set)  # engines already logged
 
@@ -74,18 +79,32 @@ class ConnectorBundle:
                 plane.attach(kv)
         return kv
 
+    @property
+    def pd_scheduler(self) -> KVConnectorScheduler:
+        """PdConnector's own scheduler half (the engine's is it, or it beside the store tier's)."""
+        return self.scheduler.first if isinstance(self.scheduler, ChainScheduler) else self.scheduler
+
+    @property
+    def pd_worker(self) -> KVConnectorWorker:
+        return self.worker.first if isinstance(self.worker, ChainWorker) else self.worker
+
     async def start(self, async_engine: Any, advertised_host: str) -> None:
         self.agent.on_event = async_engine.wake
+        if self.store is not None:
+            self.store.on_event = async_engine.wake
         self.agent.start()
-        if isinstance(self.scheduler, PdConnectorScheduler):
-            self.scheduler.identity = ProducerIdentity(self.engine_id, self.agent.config.host, self.agent.port)
+        scheduler = self.pd_scheduler
+        if isinstance(scheduler, PdConnectorScheduler):
+            scheduler.identity = ProducerIdentity(self.engine_id, self.agent.config.host, self.agent.port)
             producer = self.agent.vllm_producer
             if producer is not None:
-                self.scheduler.vllm_identity = ProducerIdentity(self.engine_id, producer.config.host, producer.port)
+                scheduler.vllm_identity = ProducerIdentity(self.engine_id, producer.config.host, producer.port)
 
     async def stop(self) -> None:
         self.decode_first.close()
         self.agent.stop()
+        if self.store is not None:
+            self.store.close()
 
     def parse_request_params(self, params: Any) -> KVTransferParams | None:
         """A body's kv_transfer_params, parsed once where the server reads the request; below, only the types."""
@@ -149,6 +168,13 @@ class ConnectorBundle:
             raise KVParamsRejected(str(exc)) from exc
         return self.agent.release_local(release.key, release.token, release.transfer_id)
 
+    def held_for_others(self) -> int:
+        """Transfers whose KV this producer still holds for a consumer."""
+        return self.agent.num_leases()
+
+    def release_all_held(self) -> int:
+        return self.agent.pull_producer.release_all()
+
     def set_faults(self, raw: dict[str, Any]) -> dict[str, Any]:
         if not self.fault_api:
             raise KVParamsRejected("fault injection at run time is off (kv_connector_extra_config.fault_injection_api)")
@@ -165,10 +191,12 @@ class ConnectorBundle:
                                     f"rejected before admission: {reason}")
 
     def metrics(self) -> dict[str, float]:
-        values = transfer_metric_values(self.agent, self.worker)
-        transfer = {f"{m.kind} {m.name}": values[m.name] for m in TRANSFER_METRICS}
+        values = transfer_metric_values(self.agent, self.pd_worker)
+        if self.store is not None:
+            values.update(store_metric_values(self.store.stats))
+        kinds = {m.name: m.kind for m in TRANSFER_METRICS + STORE_METRICS}
         return {
-            **transfer,
+            **{f"{kinds[name]} {name}": value for name, value in values.items()},
             "counter pdserve:decode_first_prefills": self.decode_first.prefills,
             "counter pdserve:decode_first_fallbacks": self.decode_first.fallbacks,
             "counter pdserve:kv_foreign_params": self.foreign_params,
@@ -178,7 +206,8 @@ class ConnectorBundle:
         }
 
     def _mirror_blocks_held(self) -> int:
-        mirror = self.scheduler.mirror if isinstance(self.scheduler, PdConnectorScheduler) else None
+        scheduler = self.pd_scheduler
+        mirror = scheduler.mirror if isinstance(scheduler, PdConnectorScheduler) else None
         return mirror.num_held() if mirror is not None else 0
 
     def kv_sources(self) -> list[str]:
@@ -225,7 +254,7 @@ EXTRA_CONFIG_KEYS = frozenset({
     "data_plane", "side_channel_host", "side_channel_port", "kv_lease_duration", "kv_load_timeout", "message_timeout",
     "handshake_timeout", "push_registration_timeout", "capture_messages", "fault_injection", "fault_injection_api",
     "allowed_peers", "vllm_nixl", "vllm_model", "vllm_nixl_port", "vllm_block_size", "vllm_mirror_blocks",
-    "vllm_version", "push_quarantine"})
+    "vllm_version", "push_quarantine", "kv_store"})
 
 
 def extra_config(kv_cfg: dict[str, Any]) -> dict[str, Any]:
@@ -295,10 +324,14 @@ def build_pd_connector(config: EngineConfig, model: ModelSpec) -> ConnectorBundl
     if loads_vllm:
         agent.pull_consumer.vllm = VllmNixlConsumer(agent.rt, vllm_model_shape(model, extra.get("vllm_model")),
                                                     model.max_model_len)
+    store = build_store(store_entry(kv_cfg, extra), namespace_for(
+        weights, model.dtype, config.block_size, text.num_layers, text.num_kv_heads, text.head_dim))
+    if store is not None:
+        scheduler, worker = chain_scheduler(scheduler, store), chain_worker(worker, store)
     return ConnectorBundle(scheduler=scheduler, worker=worker, agent=agent, planes=planes,
                            engine_id=engine_id, max_blocks=max_blocks, pool_owner=plane_names[0],
                            fault_api=bool(extra.get("fault_injection_api", os.environ.get("PDSERVE_FAULTS_API"))),
-                           load_failure_policy=policy, loads_vllm=loads_vllm)
+                           load_failure_policy=policy, loads_vllm=loads_vllm, store=store)
 
 
 def vllm_mirror(extra: dict[str, Any], host: str, engine_id: str, model: ModelSpec, agent: TransferAgent

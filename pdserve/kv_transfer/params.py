@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from pdserve.ids import TransferId
+from pdserve.ids import MAX_REMOTE_REQUEST_ID_LENGTH, TransferId
 
 
 # RemotePrefill.mode of KV held by a vLLM NixlConnector producer, loaded with vLLM's own protocol.
@@ -174,14 +174,18 @@ def _flat_block_ids(value: Any, limit: int) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _text(params: dict[str, Any], key: str, required: bool = True) -> str | None:
+# Names, hosts, tokens and ids the gateway mints are short; 256 characters is plenty for them.
+MAX_PARAM_CHARS = 256
+
+
+def _text(params: dict[str, Any], key: str, required: bool = True, limit: int = MAX_PARAM_CHARS) -> str | None:
     value = params.get(key)
     if value is None:
         if required:
             raise KVParamsError(f"kv_transfer_params.{key} is missing")
         return None
-    if not isinstance(value, str) or not value or len(value) > 256:
-        raise KVParamsError(f"kv_transfer_params.{key} must be a non-empty string")
+    if not isinstance(value, str) or not value or len(value) > limit:
+        raise KVParamsError(f"kv_transfer_params.{key} must be a non-empty string of at most {limit} characters")
     return value
 
 
@@ -250,7 +254,7 @@ def _remote_prefill(params: dict[str, Any], transfer_id: TransferId | None, max_
         engine_id=_text(params, "remote_engine_id"),
         host=_text(params, "remote_host"),
         port=_port(params),
-        remote_key=_text(params, "remote_request_id", required=mode == "pull"),
+        remote_key=_text(params, "remote_request_id", required=mode == "pull", limit=MAX_REMOTE_REQUEST_ID_LENGTH),
         block_ids=_flat_block_ids(block_ids, max_blocks) if mode == "pull" else None,
         token=_text(params, "transfer_token", required=False),
         transfer_id=transfer_id,

@@ -96,6 +96,16 @@ class PullProducer:
         with self._lock:
             return len(self._leases)
 
+    def release_all(self) -> int:
+        """End every hold now: an instance that drains frees what no consumer came for in time."""
+        with self._lock:
+            keys = list(self._leases)
+            for key in keys:
+                self._drop(key)
+        if keys:
+            self.rt.on_event()
+        return len(keys)
+
     def is_held(self, key: str) -> bool:
         with self._lock:
             return key in self._leases

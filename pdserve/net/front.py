@@ -1,8 +1,9 @@
 """The outermost layer of every HTTP app (instance and gateway), in plain ASGI.
 
-It gives each request a safe `X-Request-Id` (bounded, no control characters), turns an error that escaped the
-app into one logged traceback and an OpenAI-style 500 (instead of the server's plain-text 500, a second
-traceback and a reset connection), and writes one access-log line per request.
+It gives each request a safe `X-Request-Id` (bounded, no control characters), keeps every response header within
+what clients read (pdserve.net.headers), turns an error that escaped the app into one logged traceback and an
+OpenAI-style 500 (instead of the server's plain-text 500, a second traceback and a reset connection), and writes
+one access-log line per request.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import msgspec
 
 from pdserve.ids import clean_request_id
+from pdserve.net.headers import MAX_HEADER_VALUE_BYTES, bound_headers
 
 log = logging.getLogger("pdserve.server")
 access_log = logging.getLogger("pdserve.access")
@@ -65,6 +67,8 @@ class Front:
                 for key, value in message.get("headers", ()):
                     if key.lower() == b"x-request-id":
                         record.request_id = value.decode("latin-1")
+                    if len(value) > MAX_HEADER_VALUE_BYTES:
+                        message = {**message, "headers": bound_headers(message["headers"])}
             await send(message)
 
         try:
@@ -76,8 +80,8 @@ class Front:
         finally:
             # An app that returned without answering saw its client leave (nginx's 499).
             record.status = record.status or 499
-            if self.log_requests and record.path not in _QUIET_PATHS:
-                access_log.info("%s", record.line())
+            if self.log_requests and record.path not in _QUIET_PATHS and access_log.isEnabledFor(logging.INFO):
+                access_log.info("%s", record.line())  # formatted only when it is written
 
 
 async def _internal_error(send: Any, kind: str) -> None:
@@ -92,6 +96,8 @@ async def _internal_error(send: Any, kind: str) -> None:
 
 
 def _clean_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    if all(key != b"x-request-id" for key, _ in headers):
+        return headers  # most requests: nothing to clean, no copy
     out = []
     for key, value in headers:
         if key == b"x-request-id":

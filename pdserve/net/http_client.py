@@ -57,18 +57,13 @@ class _Connection(asyncio.Protocol):
         self.closed = True
         self._fail(UpstreamError(f"connection lost: {exc or 'closed by the upstream'}"))
 
-    # -- httptools callbacks --------------------------------------------------------------------------------
-    def on_header(self, name: bytes, value: bytes) -> None:
-        if self.response is not None:
-            self.response.headers.append((name.lower(), value))
-
+    # -- httptools callbacks (no on_header: the gateway reads no upstream header, and httptools then calls none) --
     def on_headers_complete(self) -> None:
         r = self.response
         if r is not None:
             r.status = self.parser.get_status_code()
             r.keep_alive = self.parser.should_keep_alive()
-            if not r.headers_ready.done():
-                r.headers_ready.set_result(None)
+            r._headers_done()
 
     def on_body(self, body: bytes) -> None:
         if self.response is not None:
@@ -96,38 +91,93 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
 
+class _HeaderConnection(_Connection):
+    """A one-use connection that keeps the answer's headers named in `wanted`: a class of its own because
+    httptools calls `on_header` on any protocol that defines it, and the proxy path reads no header at all."""
+
+    def __init__(self, pool: HttpPool, wanted: frozenset[bytes]) -> None:
+        super().__init__(pool)
+        self.wanted = wanted
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        name = name.lower()
+        if self.response is not None and name in self.wanted:
+            self.response.header_values[name] = value
+
+    def on_message_complete(self) -> None:
+        r, self.response = self.response, None
+        if r is not None:
+            r._finish()
+        self.close()  # never pooled: a proxied request must not pay for header callbacks
+
+
 class Response:
+    """An upstream answer: status as soon as the head arrived, the body as it arrives.
+
+    Waits are plain futures with one timer each (`loop.call_later`), made only when a reader must wait: most small
+    answers arrive whole with their head, and are read without a wait, a timer or a task switch.
+    """
+
     def __init__(self, conn: _Connection) -> None:
-        loop = asyncio.get_running_loop()
         self._conn = conn
         self.status = 0
         self.keep_alive = False
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.headers_ready: asyncio.Future = loop.create_future()
+        self._head = False
         self._chunks: deque[bytes] = deque()
-        self._more = asyncio.Event()
+        self._waiter: asyncio.Future | None = None  # a reader waiting for the head or for more body
         self._done = False
         self._exc: Exception | None = None
+        self.header_values: dict[bytes, bytes] = {}  # only the headers a request asked for (`read_headers`)
 
     def header(self, name: bytes) -> bytes | None:
-        for key, value in self.headers:
-            if key == name:
-                return value
-        return None
+        return self.header_values.get(name.lower())
+
+    def _wake(self) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _headers_done(self) -> None:
+        self._head = True
+        self._wake()
 
     def _feed(self, chunk: bytes) -> None:
         self._chunks.append(chunk)
-        self._more.set()
+        self._wake()
 
     def _finish(self) -> None:
         self._done = True
-        self._more.set()
+        self._wake()
 
     def _error(self, exc: Exception) -> None:
         self._exc = exc
-        self._more.set()
-        if not self.headers_ready.done():
-            self.headers_ready.set_exception(exc)
+        self._wake()
+
+    async def _wait(self, timeout: float | None, stage: str) -> None:
+        """Until the connection has news for this response (or `timeout` passed: abort, UpstreamTimeout)."""
+        loop = asyncio.get_running_loop()
+        waiter = self._waiter = loop.create_future()
+        timer = None if timeout is None else loop.call_later(timeout, _expire, waiter)
+        try:
+            expired = await waiter
+        except asyncio.CancelledError:
+            self.abort()  # a reader that gives up mid-answer must not leave the upstream working for nobody
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+        if expired:
+            self.abort()
+            raise UpstreamTimeout(stage, timeout or 0)
+
+    async def headers(self, timeout: float | None) -> None:
+        """Until the status and headers arrived; the transport's failure, or UpstreamTimeout, otherwise."""
+        while not self._head:
+            if self._exc is not None:
+                raise self._exc
+            if self._done:
+                raise UpstreamError("the request was aborted before its answer")
+            await self._wait(timeout, "waiting for the response")
 
     async def chunks(self, idle_timeout: float | None = None) -> AsyncIterator[bytes]:
         """The body as it arrives; `idle_timeout` bounds the gap between chunks."""
@@ -138,34 +188,36 @@ class Response:
                 return
             if self._exc is not None:
                 raise self._exc
-            self._more.clear()
-            try:
-                async with asyncio.timeout(idle_timeout):
-                    await self._more.wait()
-            except TimeoutError:
-                self.abort()
-                raise UpstreamTimeout("waiting for the next chunk", idle_timeout or 0) from None
-            except asyncio.CancelledError:
-                self.abort()  # a reader that gives up mid-answer must not leave the upstream working for nobody
-                raise
+            await self._wait(idle_timeout, "waiting for the next chunk")
 
     async def read(self, timeout: float | None = None) -> bytes:
+        """The whole body, within `timeout` from now."""
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         parts = []
-        try:
-            async with asyncio.timeout(timeout):
-                async for chunk in self.chunks():
-                    parts.append(chunk)
-        except TimeoutError:
-            self.abort()
-            raise UpstreamTimeout("reading the response body", timeout or 0) from None
-        return b"".join(parts)
+        while True:
+            while self._chunks:
+                parts.append(self._chunks.popleft())
+            if self._done:
+                return b"".join(parts)
+            if self._exc is not None:
+                raise self._exc
+            left = None if deadline is None else max(deadline - asyncio.get_running_loop().time(), 0.0)
+            try:
+                await self._wait(left, "reading the response body")
+            except UpstreamTimeout:
+                raise UpstreamTimeout("reading the response body", timeout or 0) from None
 
     def abort(self) -> None:
         """Stop reading: the connection is closed, and the upstream sees its client leave."""
         if not self._done:
             self._conn.close()
             self._done = True
-            self._more.set()
+            self._wake()
+
+
+def _expire(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(True)
 
 
 class HttpPool:
@@ -180,8 +232,9 @@ class HttpPool:
         self.host_header = f"{host}:{port}".encode()
         self.headers = headers or []  # sent with every request (the upstream's credentials)
 
-    async def _connect(self, timeout: float, reuse: bool = True) -> _Connection:
-        while reuse and self._idle:
+    async def _connect(self, timeout: float, reuse: bool = True,
+                       read_headers: frozenset[bytes] = frozenset()) -> _Connection:
+        while reuse and not read_headers and self._idle:
             conn = self._idle.pop()
             if not conn.closed:
                 conn.reused = True
@@ -189,7 +242,9 @@ class HttpPool:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(timeout):
-                _, conn = await loop.create_connection(lambda: _Connection(self), self.host, self.port)
+                _, conn = await loop.create_connection(
+                    lambda: _HeaderConnection(self, read_headers) if read_headers else _Connection(self),
+                    self.host, self.port)
         except TimeoutError:
             raise UpstreamTimeout("connecting", timeout) from None
         except OSError as exc:
@@ -204,8 +259,12 @@ class HttpPool:
 
     async def request(self, method: str, path: str, body: bytes = b"",
                       headers: list[tuple[bytes, bytes]] | None = None, *, connect_timeout: float = 5.0,
-                      header_timeout: float | None = None) -> Response:
+                      header_timeout: float | None = None,
+                      read_headers: frozenset[bytes] = frozenset()) -> Response:
         """Send a request and wait for the response's status and headers (the body streams on).
+
+        The answer's headers are not kept, except those named (lower case) in `read_headers`: such a request
+        goes on a connection of its own, closed after it.
 
         A kept-alive connection the upstream closed just before this request (a server closes after an answer
         it could not finish cleanly) fails without a byte back: the request is sent once more on a fresh
@@ -217,28 +276,21 @@ class HttpPool:
             head += [name, b": ", value, b"\r\n"]
         head.append(b"\r\n")
         message = b"".join(head) + body
-        conn = await self._connect(connect_timeout)
+        conn = await self._connect(connect_timeout, read_headers=read_headers)
         try:
             return await self._exchange(conn, message, header_timeout)
         except UpstreamError:
             if not conn.reused or conn.received:
                 raise
-        return await self._exchange(await self._connect(connect_timeout, reuse=False), message, header_timeout)
+        conn = await self._connect(connect_timeout, reuse=False, read_headers=read_headers)
+        return await self._exchange(conn, message, header_timeout)
 
     async def _exchange(self, conn: _Connection, message: bytes, header_timeout: float | None) -> Response:
         response = Response(conn)
         conn.response = response
         conn.received = False
         conn.transport.write(message)
-        try:
-            async with asyncio.timeout(header_timeout):
-                await response.headers_ready
-        except TimeoutError:
-            response.abort()
-            raise UpstreamTimeout("waiting for the response", header_timeout or 0) from None
-        except asyncio.CancelledError:
-            response.abort()
-            raise
+        await response.headers(header_timeout)
         return response
 
     def close(self) -> None:

@@ -7,7 +7,9 @@ import asyncio
 import gc
 import json
 import os
+import signal
 import socket
+from collections.abc import Callable
 
 import uvicorn
 
@@ -50,19 +52,37 @@ def announce_ready(**fields: object) -> None:
     print(json.dumps({"event": "ready", "pid": os.getpid(), **fields}), flush=True)
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, except that SIGTERM may start a drain instead of stopping at once."""
+
+    on_sigterm: Callable[[], None] | None = None
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        if sig == signal.SIGTERM and self.on_sigterm is not None and not self.should_exit:
+            self.on_sigterm()
+            return
+        super().handle_exit(sig, frame)
+
+
 async def serve_announced(app: object, sock: socket.socket, log_level: str, fields: dict[str, object],
-                          admin_sock: socket.socket | None = None) -> None:
+                          admin_sock: socket.socket | None = None,
+                          drain: Callable[[Callable[[], None]], Callable[[], None]] | None = None) -> None:
     """Serve `app` on `sock` with uvicorn (httptools), and print the ready line once it accepts connections.
 
     With `admin_sock`, the same app is served there too (it tells the two apart by the local port), and the
-    ready line carries `admin_port`.
+    ready line carries `admin_port`. With `drain`, SIGTERM calls what `drain(stop)` returned instead of stopping
+    the server; the drain calls `stop` when it is done.
     """
     sockets = [sock]
     if admin_sock is not None:
         sockets.append(admin_sock)
         fields = {**fields, "admin_port": admin_sock.getsockname()[1]}
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level.lower(), access_log=False, lifespan="off",
-                                           timeout_keep_alive=KEEP_ALIVE_S, http="httptools"))
+    server = _Server(uvicorn.Config(app, log_level=log_level.lower(), access_log=False, lifespan="off",
+                                    timeout_keep_alive=KEEP_ALIVE_S, http="httptools"))
+    if drain is not None:
+        loop = asyncio.get_running_loop()
+        on_term = drain(lambda: setattr(server, "should_exit", True))
+        server.on_sigterm = lambda: loop.call_soon_threadsafe(on_term)
 
     async def ready_when_started() -> None:
         while not server.started and not server.should_exit:

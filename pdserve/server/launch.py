@@ -10,13 +10,15 @@ import sys
 from pathlib import Path
 
 from pdserve.config import ATTENTION_BACKENDS, DEFAULT_KV_CACHE_GIB, ROLES, EngineConfig
+from pdserve.membership.member import MemberOptions, add_member_flags, advertised_url
 from pdserve.net.auth import AccessGuard, AccessPolicy, resolve_admin_token, resolve_api_keys
 from pdserve.net.body import DEFAULT_MAX_BODY_BYTES
 from pdserve.net.listen import StartupError, bind_socket, freeze_startup_objects, serve_announced
 from pdserve.startup import STARTUP_ERRORS, exit_on_startup_error, json_object
 
 log = logging.getLogger("pdserve.serve")
-ADMIN_PATHS = frozenset({"/v1/kv/faults"})  # switches fault injection: for drills, never for clients
+# Fault injection (drills) and draining (rolling restarts): for operators, never for clients.
+ADMIN_PATHS = frozenset({"/v1/kv/faults", "/admin/drain"})
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -79,6 +81,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                    help="export request timelines as OpenTelemetry spans to this OTLP/HTTP collector "
                         "(needs pdserve[tracing]; off by default)")
+    add_member_flags(p)
     return p
 
 
@@ -111,30 +114,36 @@ def _serve(args: argparse.Namespace) -> int:
     from pdserve.layers.linear import bound_onednn_caches
 
     bound_onednn_caches()
+    member = MemberOptions.from_args(args)
     config = engine_config_from_args(args)
     if not config.model.is_dir():
         raise StartupError(f"model folder {config.model} does not exist")
     api_keys = resolve_api_keys(args.api_key)
     sock = bind_socket(args.host, args.port)  # before loading the model: a taken port fails in a second
+    member.advertise_url = advertised_url(args.advertise_url, *sock.getsockname()[:2], member.discovery is not None)
     admin_sock = None if args.admin_port is None else bind_socket("127.0.0.1", args.admin_port)
     access = AccessPolicy(api_keys, resolve_admin_token(args.admin_token),
                           admin_sock.getsockname()[1] if admin_sock is not None else None, ADMIN_PATHS)
     instance = Instance(config, request_timeout_s=args.request_timeout, otlp_traces_endpoint=args.otlp_traces_endpoint,
                         log_requests=not args.disable_log_requests, api_key=api_keys[0] if api_keys else None,
                         max_request_body_bytes=args.max_request_body_bytes)
-    asyncio.run(serve_app(instance, sock, args.log_level, access, admin_sock))
+    asyncio.run(serve_app(instance, sock, args.log_level, access, admin_sock, member))
     return 0
 
 
 async def serve_app(instance, sock: socket.socket, log_level: str = "info", access: AccessPolicy | None = None,
-                    admin_sock: socket.socket | None = None) -> None:
+                    admin_sock: socket.socket | None = None, member: MemberOptions | None = None) -> None:
     try:
         app = await instance.start(advertised_host=sock.getsockname()[0])
     except STARTUP_ERRORS as exc:  # e.g. the side channel's port is taken
         raise StartupError(str(exc)) from exc
+    membership = instance.member(member or MemberOptions(
+        advertise_url=advertised_url(None, *sock.getsockname()[:2], registering=False)))
+    membership.start()
     freeze_startup_objects()
     try:
-        await serve_announced(AccessGuard(app, access or AccessPolicy(admin_paths=ADMIN_PATHS)), sock, log_level,
-                              instance.ready_fields(), admin_sock)
+        await serve_announced(AccessGuard(membership.wrap(app), access or AccessPolicy(admin_paths=ADMIN_PATHS)),
+                              sock, log_level, instance.ready_fields(), admin_sock, membership.drain_hook)
     finally:
+        await membership.stop()
         await instance.stop()

@@ -24,6 +24,7 @@ from pdserve.engine.output_processor import RequestOutput
 from pdserve.engine.request import MultiModalItem, TokenLogprobs
 from pdserve.ids import ReqId, make_internal_request_id
 from pdserve.kv_transfer.params import RemoteDecode, RemotePrefill
+from pdserve.net.headers import bounded_list
 from pdserve.multimodal.prompt import IMAGE_PART_TYPES, MultimodalInputError, MultimodalPrompter
 from pdserve.sampling_params import SamplingParams, SamplingParamsError
 from pdserve.server.errors import OpenAIError, bad_request, error_body
@@ -209,7 +210,10 @@ class OpenAIServing:
             origin.access.usage = lambda: _usage(prompts, sequences)
         if headers is not None:
             # The instance's own ids (external id + random suffix): useful in logs, never shared between P and D.
-            headers["X-Pdserve-Request-Ids"] = ",".join(internal_ids)
+            # As many as fit a header; all of them are in the timeline.
+            headers["X-Pdserve-Request-Ids"], omitted = bounded_list(internal_ids)
+            if omitted:
+                headers["X-Pdserve-Request-Ids-Omitted"] = str(omitted)
         created = int(time.time())
         if body.stream:
             return self._stream(kind, body, response_id, created, prompts, sequences, streams)

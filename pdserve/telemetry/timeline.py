@@ -40,6 +40,10 @@ class Timeline:
     def add(self, name: str, time_ns: int | None = None, **attrs: Any) -> None:
         self.events.append((name, time.time_ns() if time_ns is None else time_ns, attrs))
 
+    def record(self, name: str, attrs: dict[str, Any]) -> None:
+        """`add` now, for a caller that already holds the attributes in a dict (no second copy of them)."""
+        self.events.append((name, time.time_ns(), attrs))
+
     def finish(self, **attrs: Any) -> None:
         self.add("finish", **attrs)
         if self.on_finish is not None:

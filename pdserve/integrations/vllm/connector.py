@@ -23,7 +23,7 @@ from pdserve.integrations.vllm.scheduler import VllmSchedulerSide
 from pdserve.integrations.vllm.settings import read_settings
 from pdserve.integrations.vllm.stats import PdTransferStats
 from pdserve.integrations.vllm.worker import VllmWorkerSide
-from pdserve.kv_transfer.pd_connector import PdConnectorMetadata
+from pdserve.kv_transfer.base import KVConnectorMetadata as PdserveMetadata
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 class PdStepMetadata(KVConnectorMetadata):
     """One step's plan, as vLLM carries it from the scheduler to the worker."""
 
-    def __init__(self, plan: PdConnectorMetadata) -> None:
+    def __init__(self, plan: PdserveMetadata) -> None:
         self.plan = plan
 
 
@@ -40,8 +40,8 @@ class PdConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         settings = read_settings(vllm_config)
-        self._scheduler = VllmSchedulerSide(settings) if role == KVConnectorRole.SCHEDULER else None
-        self._worker = VllmWorkerSide(settings) if role == KVConnectorRole.WORKER else None
+        self._scheduler = VllmSchedulerSide(settings, vllm_config) if role == KVConnectorRole.SCHEDULER else None
+        self._worker = VllmWorkerSide(settings, vllm_config) if role == KVConnectorRole.WORKER else None
 
     @classmethod
     def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],

@@ -68,6 +68,17 @@ class RequestView:
         return self._request.num_prompt_tokens
 
     @property
+    def num_tokens(self) -> int:
+        return self._request.num_tokens
+
+    def token_ids_range(self, start: int, end: int) -> list[int]:
+        return list(self._request.all_token_ids[start:end])
+
+    @property
+    def cache_salt(self) -> str | None:
+        return getattr(self._request, "cache_salt", None)
+
+    @property
     def num_computed_tokens(self) -> int:
         return self._request.num_computed_tokens
 

@@ -17,20 +17,25 @@ from pdserve.ids import ReqId
 from pdserve.integrations.vllm.decode_first import DecodeFirstAsks
 from pdserve.integrations.vllm.requests import RequestView, parse_vllm_params
 from pdserve.integrations.vllm.schedule import PushSchedule
-from pdserve.integrations.vllm.settings import Settings
+from pdserve.integrations.vllm.settings import Settings, store_tier
+from pdserve.kv_store.factory import chain_scheduler
+from pdserve.kv_transfer.base import KVConnectorMetadata, KVConnectorScheduler
 from pdserve.kv_transfer.params import DecodeFirst, RemoteDecode
-from pdserve.kv_transfer.pd_connector import PdConnectorMetadata, PdConnectorScheduler, ProducerIdentity
+from pdserve.kv_transfer.pd_connector import PdConnectorScheduler, ProducerIdentity
 from pdserve.kv_transfer.peer_policy import PeerPolicy
 
 log = logging.getLogger(__name__)
 
 
 class VllmSchedulerSide:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, vllm_config: Any = None) -> None:
         self.settings = settings
-        self.half = PdConnectorScheduler(settings.block_size, load_timeout_s=float(
+        self.pd = PdConnectorScheduler(settings.block_size, load_timeout_s=float(
             settings.extra.get("kv_load_timeout", 60.0)), load_failure_policy=settings.policy)
-        self.half.identity = ProducerIdentity(settings.engine_id, settings.host, settings.port)
+        self.pd.identity = ProducerIdentity(settings.engine_id, settings.host, settings.port)
+        # The store tier's lookups are the scheduler's (its own client); its loads and writes the worker's.
+        store = store_tier(vllm_config, settings)
+        self.half: KVConnectorScheduler = chain_scheduler(self.pd, store) if store is not None else self.pd
         self._views: dict[str, RequestView] = {}
         self._held: set[str] = set()  # P: finished requests whose blocks wait for D's read or push, or a release
         self._schedule = PushSchedule()
@@ -77,14 +82,20 @@ class VllmSchedulerSide:
     def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
         self.half.update_state_after_alloc(self._view(request), block_ids, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: Any) -> PdConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         self._free_abandoned()
-        return self.half.build_connector_meta(self._schedule.scheduler_output(scheduler_output, self._pushed_prompt))
+        return self.half.build_connector_meta(self._schedule.scheduler_output(scheduler_output, self._step_tokens))
 
-    def _pushed_prompt(self, request_id: str) -> list[int] | None:
+    def _step_tokens(self, request_id: str) -> list[int] | None:
+        """The tokens whose chunks the half plans from: a pushing request's prompt, every request's tokens when
+        the store writes them."""
         view = self._views.get(request_id)
-        params = view.kv_transfer_params if view is not None else None
-        return view.prompt_token_ids if isinstance(params, RemoteDecode) and params.push else None
+        if view is None:
+            return None
+        params = view.kv_transfer_params
+        if isinstance(params, RemoteDecode) and params.push:
+            return view.prompt_token_ids
+        return view.token_ids_range(0, view.num_tokens) if self.half is not self.pd else None
 
     def _free_abandoned(self) -> None:
         """P answered a request that ended meanwhile: as a pull never planned, the half tells P to free it."""

@@ -12,7 +12,10 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from pdserve.kv_store.metrics import STORE_METRICS
 from pdserve.kv_transfer.metrics import TRANSFER_METRICS
+
+METRICS = TRANSFER_METRICS + STORE_METRICS  # the store tier's stay 0 where no store is configured
 
 # What vLLM's periodic "KV Transfer metrics" log line shows (all of them are on /metrics).
 _LOGGED = ("pdserve:kv_transfer_loads_ok", "pdserve:kv_transfer_loads_failed", "pdserve:kv_transfer_bytes_received",
@@ -20,8 +23,8 @@ _LOGGED = ("pdserve:kv_transfer_loads_ok", "pdserve:kv_transfer_loads_failed", "
 
 
 class PdTransferStats(KVConnectorStats):
-    """A snapshot of `TRANSFER_METRICS` by name. An instance has one worker (the side channel's port is one), so
-    aggregating keeps the newest value of each."""
+    """A snapshot of `TRANSFER_METRICS` (and `STORE_METRICS`, with a store) by name. An instance has one worker
+    (the side channel's port is one), so aggregating keeps the newest value of each."""
 
     def reset(self) -> None:
         self.data = {}
@@ -43,9 +46,9 @@ class TransferGauges:
     def __init__(self, gauge_cls: Any, counter_cls: Any, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         self._children: dict[tuple[int, str], Any] = {}
-        self._kinds = {m.name: m.kind for m in TRANSFER_METRICS}
+        self._kinds = {m.name: m.kind for m in METRICS}
         self._last: dict[tuple[int, str], float] = {}
-        for metric in TRANSFER_METRICS:
+        for metric in METRICS:
             cls = counter_cls if metric.kind == "counter" else gauge_cls
             family = cls(name=metric.name, documentation=metric.doc, labelnames=labelnames)
             for engine, labelvalues in per_engine_labelvalues.items():

@@ -23,34 +23,32 @@ from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from pdserve.ids import ReqId
-from pdserve.integrations.vllm.settings import Settings
+from pdserve.integrations.vllm.settings import Settings, model_fingerprint, store_tier
+from pdserve.kv_store.blocks import VllmCpuBlocks, check_geometry
+from pdserve.kv_store.factory import chain_worker
+from pdserve.kv_store.metrics import store_metric_values
+from pdserve.kv_store.tier import KVStoreTier
 from pdserve.kv_transfer.agent import TransferAgent
+from pdserve.kv_transfer.base import KVConnectorMetadata as PdserveMetadata
+from pdserve.kv_transfer.base import KVConnectorWorker
 from pdserve.kv_transfer.data_plane import DATA_PLANES, NIXL_INSTALL_HINT, make_data_plane
 from pdserve.kv_transfer.data_plane.regions import BlockRegions
-from pdserve.kv_transfer.factory import agent_config, connector_halves, weight_fingerprint
+from pdserve.kv_transfer.factory import agent_config, connector_halves
 from pdserve.kv_transfer.layouts import vllm_cpu_layout
 from pdserve.kv_transfer.messages import PROTOCOL_VERSION
 from pdserve.kv_transfer.metrics import transfer_metric_values
-from pdserve.kv_transfer.pd_connector import PdConnectorMetadata, PdConnectorWorker
+from pdserve.kv_transfer.pd_connector import PdConnectorWorker
 
 # Inside vLLM the cache is vLLM's memory (a tensor per layer), served over the planes that address any layout's
 # blocks per layer: shm by cross-memory attach (one host), tcp copies their bytes, NIXL registers each layer's
 # tensor once. "auto" serves every installed one; for device memory, the one that moves it without a host copy.
 PLANES = ("shm", "tcp", "nixl")
 DEVICE_PLANES = ("nixl",)
-
-
-def model_fingerprint(model: str) -> str:
-    """The weights' fingerprint pdserve instances name in their layout, when vLLM serves a local folder ("" else:
-    such an instance exchanges KV only with vLLM instances like it)."""
-    path = Path(model)
-    return weight_fingerprint(path) if path.is_dir() else ""
 
 
 def plane_names(preferred: str, device: torch.device) -> list[str]:
@@ -80,10 +78,13 @@ def vllm_compat_hash(settings: Settings, vllm_version: str, kv_caches: dict[str,
 
 
 class VllmWorkerSide:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, vllm_config: Any = None) -> None:
         self.settings = settings
+        self.vllm_config = vllm_config
         self.agent: TransferAgent | None = None
         self.half: PdConnectorWorker | None = None
+        self.steps: KVConnectorWorker | None = None  # the half, or the half beside the store tier's
+        self.store: KVStoreTier | None = None
         self._reported: dict[str, float] = {}
         self._layers: dict[str, int] = {}
         self._device = torch.device("cpu")
@@ -107,16 +108,33 @@ class VllmWorkerSide:
         self.agent = TransferAgent(config)
         _, self.half = connector_halves(self.agent, s.block_size, s.policy)
         self.half.attach_pool(regions.num_layers)
+        self.steps = self._with_store(self.half, caches)
         self.agent.start()
 
-    def bind(self, meta: PdConnectorMetadata) -> None:
-        if self.half is not None:
-            self.half.bind_connector_metadata(meta)
-            self.half.start_load_kv()
+    def _with_store(self, half: PdConnectorWorker, caches: tuple[torch.Tensor, ...]) -> KVConnectorWorker:
+        """The store tier's worker half beside PdConnector's, reading and writing vLLM-CPU's cache regrouped into
+        the stored layout (a GPU cache has no host layout to regroup: not supported there)."""
+        store = store_tier(self.vllm_config, self.settings)
+        if store is None:
+            return half
+        if caches[0].device.type != "cpu":
+            store.close()
+            raise ValueError("kv_store inside vLLM serves a KV cache in host memory (vLLM-CPU)")
+        blocks = VllmCpuBlocks(caches, store.namespace)
+        check_geometry(store.namespace, caches[0][0].numel() * caches[0].element_size() * len(caches), len(caches))
+        self.store = store
+        chain = chain_worker(half, self.store)
+        chain.store.attach(blocks)
+        return chain
+
+    def bind(self, meta: PdserveMetadata) -> None:
+        if self.steps is not None:
+            self.steps.bind_connector_metadata(meta)
+            self.steps.start_load_kv()
 
     def clear(self) -> None:
-        if self.half is not None:
-            self.half.clear_connector_metadata()
+        if self.steps is not None:
+            self.steps.clear_connector_metadata()
 
     def save_kv_layer(self, layer_name: str) -> None:
         """The layer's KV for this step is in the cache: push writes it to D now, while later layers compute."""
@@ -130,8 +148,8 @@ class VllmWorkerSide:
         self.half.save_kv_layer(self._layers[layer_name])
 
     def wait_for_save(self) -> None:
-        if self.half is not None:
-            self.half.wait_for_save()
+        if self.steps is not None:
+            self.steps.wait_for_save()
 
     def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(sent: blocks P may free, received: loads that ended, failed: loads vLLM's policy must handle).
@@ -139,11 +157,11 @@ class VllmWorkerSide:
         A load the producer refused as never granted (a forged or replayed capability) is a failed load here:
         nothing was copied, and vLLM's kv_load_failure_policy decides (recompute, or fail the request).
         """
-        if self.half is None:
+        if self.steps is None:
             return set(), set(), set()
-        sending, recving = self.half.get_finished({ReqId(r) for r in finished_req_ids})
-        failed = self.half.get_failed_recving() | set(self.half.get_refused_recving())
-        self.half.get_transfer_records()  # pdserve's engine times transfers from these; vLLM has its own timings
+        sending, recving = self.steps.get_finished({ReqId(r) for r in finished_req_ids})
+        failed = self.steps.get_failed_recving() | set(self.steps.get_refused_recving())
+        self.steps.get_transfer_records()  # pdserve's engine times transfers from these; vLLM has its own timings
         return set(sending), set(recving), set(failed)
 
     def changed_metrics(self) -> dict[str, float] | None:
@@ -151,15 +169,20 @@ class VllmWorkerSide:
         if self.agent is None or self.half is None:
             return None
         values = transfer_metric_values(self.agent, self.half)
+        if self.store is not None:
+            values.update(store_metric_values(self.store.stats))
         if values == self._reported:
             return None
         self._reported = values
         return values
 
     def load_errors(self) -> set[int]:
-        return self.half.get_block_ids_with_load_errors() if self.half is not None else set()
+        return self.steps.get_block_ids_with_load_errors() if self.steps is not None else set()
 
     def shutdown(self) -> None:
         if self.agent is not None:
             self.agent.stop()
             self.agent = None
+        if self.store is not None:
+            self.store.close()
+            self.store = None
