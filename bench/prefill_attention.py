@@ -13,13 +13,13 @@ difference between the two and each path's rate (causal attention FLOPs per seco
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
 from pdserve.layers.attention import AttentionMetadata, PrefillChunk, attend_written
 from pdserve.native.backend import choose_decode_kernel, prefill_kernel_for
+
+from decode_attention import interleaved_medians  # bench/, on sys.path when run as a script
 
 LAYERS, KV_HEADS, HEADS, HEAD_DIM, BLOCK = 12, 4, 12, 64, 16
 CASES = [(dtype, context, new) for dtype in (torch.float32, torch.bfloat16)
@@ -40,12 +40,6 @@ def make_case(context: int, new: int, dtype: torch.dtype) -> tuple[torch.Tensor,
     return qkv, pool[:, LAYERS // 2], meta
 
 
-def timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1e3
-
-
 def compare(dtype: torch.dtype, context: int, new: int, reps: int) -> None:
     qkv, layer, meta = make_case(context, new, dtype)
     q, k, v = qkv.split_with_sizes((HEADS, KV_HEADS, KV_HEADS), dim=1)
@@ -61,11 +55,8 @@ def compare(dtype: torch.dtype, context: int, new: int, reps: int) -> None:
     calls = {"torch": lambda: attend_written(q, k, v, layer, meta, scale),
              "native": lambda: attend_written(q, k, v, layer, native, scale)}
     err = (calls["torch"]().float() - calls["native"]().float()).abs().max().item()
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for rep in range(reps):
-        for name in (("torch", "native") if rep % 2 else ("native", "torch")):
-            times[name].append(timed(calls[name]))
-    t, n = statistics.median(times["torch"]), statistics.median(times["native"])
+    medians = interleaved_medians(calls, reps)
+    t, n = medians["torch"], medians["native"]
     flops = 4 * HEADS * HEAD_DIM * new * (context + (new + 1) / 2)
     print(f"| {str(dtype)[6:]} | {context} | {new} | {t:.2f} | {n:.2f} | {t / n:.2f}x | {flops / t / 1e6:.0f} / "
           f"{flops / n / 1e6:.0f} | {err:.1e} |", flush=True)
