@@ -25,7 +25,9 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -56,6 +58,16 @@ def timed(fn) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
+def interleaved_medians(calls: dict[str, Callable[[], Any]], reps: int) -> dict[str, float]:
+    """Median ms of each call, one of each per rep, the order alternating so that load lands on all alike."""
+    names = list(calls)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for rep in range(reps):
+        for name in names if rep % 2 else names[::-1]:
+            times[name].append(timed(calls[name]))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def make_case(batch: int, lo: int, hi: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """q, one layer's view of the pool, and the torch path's metadata; the same on every call (seeded)."""
     g = torch.Generator().manual_seed(0)
@@ -73,11 +85,8 @@ def compare(batch: int, lo: int, hi: int, dtype: torch.dtype, reps: int) -> None
     calls = {"torch": lambda: _decode_attention(q, layer, meta, HEAD_DIM ** -0.5),
              "native": lambda: _decode_attention(q, layer, native, HEAD_DIM ** -0.5)}
     err = (calls["torch"]().float() - calls["native"]().float()).abs().max().item()
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for rep in range(reps):
-        for name in (("torch", "native") if rep % 2 else ("native", "torch")):
-            times[name].append(timed(calls[name]))
-    t, n = statistics.median(times["torch"]), statistics.median(times["native"])
+    medians = interleaved_medians(calls, reps)
+    t, n = medians["torch"], medians["native"]
     print(f"| {str(dtype)[6:]} | {batch} | {lo}-{hi} | {t:.2f} | {n:.2f} | {t / n:.2f}x | {err:.1e} |", flush=True)
 
 

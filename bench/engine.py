@@ -50,6 +50,7 @@ class Workload:
     lat_reps: int = 5
     copy_bytes: int = 1 << 30
     matmul_n: int = 2048
+    prefill_len: int = 0  # the longest single prompt a prefill profile sends (0: none)
 
     @classmethod
     def quick(cls) -> Workload:
@@ -115,13 +116,34 @@ def build_model(preset: str, root: Path) -> Path:
     return out
 
 
+def with_positions(model_dir: Path, positions: int) -> Path:
+    """The model at `model_dir` with max_position_embeddings raised to `positions` (a sibling directory whose
+    weights are links to the original's), for prompts longer than the preset allows; the weights are random, so
+    positions past the preset's are as good as any."""
+    out = model_dir.with_name(f"{model_dir.name}-{positions}")
+    if not (out / "config.json").exists():
+        out.mkdir(exist_ok=True)
+        for f in model_dir.iterdir():
+            if f.name != "config.json" and not (out / f.name).exists():
+                (out / f.name).symlink_to(f.resolve())
+        config = json.loads((model_dir / "config.json").read_text())
+        config["max_position_embeddings"] = positions
+        (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def model_len(wl: Workload) -> int:
+    """max_model_len for both engines: the longest sequence of any workload, rounded up to 256."""
+    need = max(wl.prompt_len + wl.new_tokens, wl.lat_prompt_len + wl.lat_new_tokens, wl.prefill_len) + 1
+    return max(1024, -(-need // 256) * 256)
+
+
 def make_pdserve(model_dir: Path, dtype: str, mnbt: int, wl: Workload, threads: int) -> Any:
     from pdserve.llm import LLM
 
     per_seq = -(-(wl.prompt_len + wl.new_tokens + 1) // 16)
-    per_lat = -(-(wl.lat_prompt_len + wl.lat_new_tokens + 1) // 16)
-    need = max(wl.prompt_len + wl.new_tokens, wl.lat_prompt_len + wl.lat_new_tokens) + 1
-    return LLM(str(model_dir), dtype=dtype, max_model_len=max(1024, -(-need // 256) * 256),
+    per_lat = -(-(max(wl.lat_prompt_len + wl.lat_new_tokens, wl.prefill_len) + 1) // 16)
+    return LLM(str(model_dir), dtype=dtype, max_model_len=model_len(wl),
                max_num_seqs=max(64, wl.num_prompts), max_num_batched_tokens=mnbt,
                num_kv_blocks=max(wl.num_prompts * per_seq, per_lat) + 16, enable_prefix_caching=False,
                num_threads=threads)

@@ -14,8 +14,10 @@ take each step at its fastest over the reps (bench/engine.py `steady`).
   .venv/bin/python bench/engine_vllm.py --quick --dtype float32          # smoke run
   .venv/bin/python bench/engine_vllm.py --baseline main --engines pdserve,base,vLLM   # a change's effect, vs vLLM
   .venv/bin/python bench/engine_vllm.py --profile --dtype float32,bfloat16   # decode steps split by torch.profiler
+  .venv/bin/python bench/engine_vllm.py --profile-prefill 512,2048,8192      # prefills split by torch.profiler
 `--profile` runs each engine's decode steps (batch 64 and batch 1) in its own worker under torch.profiler
-(bench/step_profile.py).
+(bench/step_profile.py); `--profile-prefill` one prompt of each length, prefilled for one token (the max_tokens=1
+request a prefill instance serves), both engines on the llama120m preset with its positions raised to fit.
 """
 
 from __future__ import annotations
@@ -54,12 +56,11 @@ def reply(obj: dict[str, Any]) -> None:
 
 
 def make_vllm(model: str, dtype: str, mnbt: int, wl: Any) -> Any:
+    from engine import model_len
     from vllm import LLM
 
-    need = max(wl.prompt_len + wl.new_tokens, wl.lat_prompt_len + wl.lat_new_tokens) + 1
     return LLM(model, dtype=dtype, enforce_eager=True, enable_prefix_caching=False, seed=0,
-               max_model_len=max(1024, -(-need // 256) * 256), max_num_seqs=max(64, wl.num_prompts),
-               max_num_batched_tokens=mnbt)
+               max_model_len=model_len(wl), max_num_seqs=max(64, wl.num_prompts), max_num_batched_tokens=mnbt)
 
 
 def vllm_greedy(new: int) -> Any:
@@ -111,13 +112,14 @@ def vllm_latency(llm: Any, prompt: list[int], new: int) -> dict[str, Any]:
                 gaps=[b - a for a, b in zip(times, times[1:])], tokens=tokens[0])
 
 
-def worker(kind: str, model: str, dtype: str, mnbt: int, quick: bool) -> None:
+def worker(kind: str, model: str, dtype: str, mnbt: int, quick: bool, prefill_len: int) -> None:
     """Start the engine, report when its first token came, then serve commands until stdin closes."""
     import engine as E  # bench/engine.py: workloads and the pdserve / HF runners
     import step_profile
     import torch
 
     wl = E.Workload.quick() if quick else E.Workload()
+    wl.prefill_len = prefill_len
     first_prompt = list(range(1, 17))
     ids = iter(range(1 << 30))
     if kind == "vLLM":
@@ -152,6 +154,16 @@ def worker(kind: str, model: str, dtype: str, mnbt: int, quick: bool) -> None:
         elif cmd["op"] == "profile":
             batches = {f"decode, batch {len(offline_prompts)}": offline_prompts, "decode, batch 1": latency_prompts[:1]}
             reply(step_profile.profile_decode(*stepper, batches, cmd["steps"]))
+        elif cmd["op"] == "profile_prefill":
+            prompts = {f"prefill {n}": prefill_prompt(n) for n in cmd["lengths"]}
+            reply(step_profile.profile_prefill(*stepper, prompts, cmd["steps"]))
+
+
+def prefill_prompt(n: int) -> list[int]:
+    """n random ids of the offline prompts' range, the same in every engine (seeded by n)."""
+    import numpy as np
+
+    return np.random.default_rng(n).integers(0, 4096, size=n).tolist()
 
 
 # ----------------------------------------------------------------------------- driver side (pdserve's venv)
@@ -171,7 +183,8 @@ class Worker:
             env.update(VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND="nobind",
                        VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_HOST_IP="127.0.0.1", UCX_MODULES="^ib")
         argv = [python, __file__, "--worker", "pdserve" if kind == "base" else kind, "--worker-model", str(model), "--dtype", dtype,
-                "--mnbt", str(args.mnbt)] + ["--quick"] * args.quick
+                "--mnbt", str(args.mnbt), "--prefill-len", str(max(args.prefill_lengths, default=0))]
+        argv += ["--quick"] * args.quick
         self.kind, self.log = kind, log_dir / f"{kind}-{dtype}-{time.monotonic_ns()}.log"
         spawned = time.time()
         with open(self.log, "wb") as err:
@@ -293,17 +306,23 @@ def print_result(res: dict[str, Any], E: Any) -> None:
 
 
 def profile(model: Path, args: argparse.Namespace, E: Any) -> int:
-    """pdserve's and vLLM's decode steps split by torch.profiler, one engine computing at a time."""
+    """pdserve's and vLLM's decode steps (or prefills, with --profile-prefill) split by torch.profiler, one engine
+    computing at a time."""
     import step_profile
 
     out = {}
+    cmd = (dict(op="profile_prefill", lengths=args.prefill_lengths) if args.prefill_lengths else dict(op="profile"))
+    import harness as H
+
+    meter = H.CpuMeter()
     for dtype in args.dtype.split(","):
         res = {}
         for kind in (k for k in args.engines if k != "HF"):
             w = Worker(kind, model, args, dtype, args.log_dir)
             try:
                 w.ask(op="warm")
-                res[f"{kind} {dtype}"] = w.ask(op="profile", steps=args.profile_steps)
+                meter.wait_for_quiet(args.wait_idle)
+                res[f"{kind} {dtype}"] = w.ask(steps=args.profile_steps, **cmd)
             finally:
                 w.close()
         step_profile.print_table(res, E.log)
@@ -311,8 +330,6 @@ def profile(model: Path, args: argparse.Namespace, E: Any) -> int:
     E.log("")
     for dtype in out:
         step_profile.print_table(out[dtype], E.log)
-    import harness as H
-
     H.write_json(args.out, dict(argv=sys.argv[1:], preset=args.model_preset, threads=args.threads, profiles=out))
     return 0
 
@@ -333,15 +350,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out")
     ap.add_argument("--profile", action="store_true", help="split decode steps by torch.profiler instead")
     ap.add_argument("--profile-steps", type=int, default=10)
+    ap.add_argument("--profile-prefill", default="", help="split prefills of these prompt lengths (comma-separated, "
+                    "e.g. 512,2048,8192) instead of decode steps")
     ap.add_argument("--baseline", help="also measure pdserve at this git ref ('base'), e.g. main")
     ap.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
     ap.add_argument("--worker-model", help=argparse.SUPPRESS)
-    return ap.parse_args(argv)
+    ap.add_argument("--prefill-len", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.prefill_lengths = [int(n) for n in args.profile_prefill.split(",") if n.strip()]
+    args.profile = args.profile or bool(args.prefill_lengths)
+    return args
 
 
 def main(args: argparse.Namespace) -> int:
     if args.worker:
-        worker(args.worker, args.worker_model, args.dtype, args.mnbt, args.quick)
+        worker(args.worker, args.worker_model, args.dtype, args.mnbt, args.quick, args.prefill_len)
         return 0
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     import engine as E
@@ -360,6 +383,9 @@ def main(args: argparse.Namespace) -> int:
         args.reps, args.lat_reps, args.starts = 1, 2, 1
     args.log_dir = Path(H.Cleanup().work_dir("engine-vllm"))
     model = E.build_model(args.model_preset, Path(args.models_dir))
+    if args.prefill_lengths and max(args.prefill_lengths) >= json.loads((model / "config.json").read_text()).get(
+            "max_position_embeddings", 0):
+        model = E.with_positions(model, E.model_len(E.Workload(prefill_len=max(args.prefill_lengths))))
     E.log(f"bench/engine_vllm.py: {args.model_preset}, engines {args.engines}, {args.threads} threads, "
           f"load {H.loadavg()}, worker logs in {args.log_dir}")
     if args.profile:

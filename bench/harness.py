@@ -308,11 +308,12 @@ class Servers:
 
         return self._keep(key, start_instance(model, *args, name=key, env=env, timeout=180, host=host, wrap=wrap))
 
-    def gateway(self, key: str, *args: str, host: str = "127.0.0.1", wrap: list[str] | None = None) -> Any:
+    def gateway(self, key: str, *args: str, host: str = "127.0.0.1", wrap: list[str] | None = None,
+                log_level: str = "warning") -> Any:
         from pdserve.launcher import start
 
         return self._keep(key, start(key, ["gateway", *args, "--host", host, "--port", "0", "--log-level",
-                                           "warning"], wrap=wrap))
+                                           log_level], wrap=wrap))
 
     def _keep(self, key: str, proc: Any) -> Any:
         self.procs[key] = proc

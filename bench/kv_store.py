@@ -15,7 +15,7 @@ Two parts (`--part io|qa|all`):
   requests on known prefixes against a warm instance's at the same time; and `no-reuse` (every prompt new)
   throughput with each store against none.
 
-Run under `/work/tools/boxlock bench` for figures to record:
+For figures to record, run it with nothing else on the box:
 
     .venv/bin/python bench/kv_store.py --part all --json bench/out/kv_store.json
 """

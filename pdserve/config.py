@@ -39,6 +39,7 @@ class EngineConfig:
     role: str = "both"
     kv_transfer_config: dict[str, Any] = field(default_factory=dict)
     ec_transfer_config: dict[str, Any] = field(default_factory=dict)
+    kv_events_config: dict[str, Any] = field(default_factory=dict)  # vLLM's --kv-events-config
     encoder_cache_size: int | None = None  # embeddings; default max(max_num_batched_tokens, 8192)
     allowed_local_media_path: Path | None = None
     allow_remote_media: bool = False

@@ -14,6 +14,9 @@ from pdserve.config import EngineConfig
 from pdserve.ec_transfer.factory import build_ec_connector
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.kv_events.block_events import StoreEvents
+from pdserve.kv_events.config import parse_config
+from pdserve.kv_events.publisher import KVEventPublisher
 from pdserve.kv_transfer.decode_first import DecodeFirstClient
 from pdserve.kv_transfer.factory import DEFAULT_CONNECTOR, build_connectors
 from pdserve.kv_transfer.layouts import PDSERVE
@@ -51,6 +54,7 @@ class Instance:
         self.max_request_body_bytes = max_request_body_bytes
         self.tracing = make_exporter(otlp_traces_endpoint, f"pdserve-{self._kv_role()}")
         self.timelines = TimelineStore(self.tracing)
+        self.kv_events_config = parse_config(config.kv_events_config)  # a bad one fails before the model loads
         model = config.resolve_model()
         config.check_kv_capacity(model.max_model_len)
         self.connectors = build_connectors(config, model)
@@ -60,10 +64,19 @@ class Instance:
         self.engine = LLMEngine(config, self.connectors, model, self.ec)
         self.async_engine = AsyncEngine(self.engine, request_timeout_s, on_fatal=_exit_now)
         self.workers = WorkerPool()  # tokenizing and image decoding, off the event loop
+        self.kv_events: KVEventPublisher | None = None
         self.api_key = api_key
         self.migrations: Migrations | None = None  # running requests that move between decode instances
 
     async def start(self, advertised_host: str = "127.0.0.1") -> FastAPI:
+        if self.kv_events_config.enabled and self.config.role != "encode":
+            tier = self.connectors.store if self.connectors is not None else None
+            self.kv_events = KVEventPublisher(self.kv_events_config, advertised_host, self.config.block_size,
+                                              tier.identity if tier is not None else None)
+            self.engine.publish_kv_events(self.kv_events)  # before the engine thread runs a step
+            if tier is not None:  # what the shared store took goes out as "STORAGE" blocks
+                tier.on_stored.append(StoreEvents(self.kv_events, tier.namespace.block_size,
+                                                  tier.namespace.root()).stored)
         self.async_engine.start()
         bundle = self.connectors
         if bundle is not None:
@@ -103,7 +116,8 @@ class Instance:
             side_channel_port=bundle.agent.port if bundle else None,
             kv_sources=bundle.kv_sources() if bundle else [],
             kv_sinks=["vllm-nixl"] if bundle and bundle.agent.vllm_producer is not None else [],
-            kv_layout=PDSERVE if bundle else None, kv_block_size=self.config.block_size if bundle else None)
+            kv_layout=PDSERVE if bundle else None, kv_block_size=self.config.block_size if bundle else None,
+            kv_events=self.kv_events.address() if self.kv_events is not None else None)
 
     def member(self, options: MemberOptions) -> InstanceMember:
         """This instance's registration (when options name a store) and drain."""
@@ -152,6 +166,8 @@ class Instance:
             sources.append(self.migrations.metrics)
         if isinstance(serving, EncodeServing):
             sources.append(serving.stats)
+        if self.kv_events is not None:
+            sources.append(self.kv_events.stats)
 
         def collect() -> dict[str, float]:
             merged: dict[str, float] = {}
@@ -217,6 +233,8 @@ class Instance:
         if self.ec is not None:
             self.ec.stop()
         self.async_engine.stop()
+        if self.kv_events is not None:
+            self.kv_events.close()
         self.workers.shutdown()
         if self.tracing is not None:
             self.tracing.shutdown()  # exports the spans still queued

@@ -474,7 +474,7 @@ def test_conditional_disaggregation(cluster):
 
 
 def _instance(url: str, **load) -> Instance:
-    instance = Instance(url=url, role="decode", pool=None, **load)
+    instance = Instance(url=url, role="decode", pool=None, probe_pool=None, **load)
     instance.breaker.probe_result(ok=True, slow=False)
     return instance
 

@@ -80,7 +80,10 @@ def test_moved_request_goes_on_exactly(engines, kind, recompute):
     assert got["tokens"] == expected.token_ids
     assert got["text"] == expected.text
     if params.logprobs is not None:
-        assert got["logprobs"] == pytest.approx([lp.logprob for lp in expected.logprobs], abs=1e-5)
+        # Recomputed, the generated tokens' KV comes from the prefill kernel instead of the decode steps': the
+        # bound between two kernels over the same sums, as elsewhere in the suite, not the bit-equal copy's.
+        tol = 1e-4 if recompute else 1e-5
+        assert got["logprobs"] == pytest.approx([lp.logprob for lp in expected.logprobs], abs=tol)
     for engine in (source, target, oracle):
         assert_no_blocks_in_use(engine)
 

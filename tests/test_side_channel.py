@@ -109,7 +109,7 @@ def test_a_release_of_a_hold_already_ended_counts_as_nothing_held_not_as_made():
     metrics = GatewayMetrics(Registry(client=None), "pull")
     caps = Capabilities("vllm", "0.32", "PdConnector", side_channel=SideChannel("P", "127.0.0.1", agent.port),
                         releases=RELEASE_SIDE_CHANNEL)
-    instance = Instance(url="http://127.0.0.1:1", role="prefill", pool=None, caps=caps)
+    instance = Instance(url="http://127.0.0.1:1", role="prefill", pool=None, probe_pool=None, caps=caps)
 
     def counted() -> tuple[float, float]:
         sample = metrics.prom.get_sample_value

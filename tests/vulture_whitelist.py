@@ -75,3 +75,13 @@ encode_selector
 # Membership records carry where an instance publishes KV-cache events, verbatim, for the KV-event subscribers.
 kv_events
 replay_endpoint
+# Fields of vLLM's KV events and event batch (pdserve/kv_events/wire.py): on the wire for vLLM's decoder and other
+# consumers; the gateway's index reads only hashes, parent, tokens, block size and medium.
+lora_id
+group_idx
+kv_cache_spec_kind
+kv_cache_spec_sliding_window
+locality
+ownership
+session_id
+data_parallel_rank

@@ -11,6 +11,10 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdserve.kv_events.block_events import BlockEvents
 
 BlockHash = bytes
 
@@ -44,6 +48,7 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[BlockHash, KVBlock] = {}
+        self.events: BlockEvents | None = None  # told what enters and leaves the prefix cache (KV events)
 
     # -- predicates -------------------------------------------------------------------------------------
     @property
@@ -88,7 +93,8 @@ class BlockPool:
             if block.ref_count == 0:
                 self.free[block.block_id] = block
 
-    def cache(self, block: KVBlock, block_hash: BlockHash, token_ids: tuple[int, ...]) -> None:
+    def cache(self, block: KVBlock, block_hash: BlockHash, token_ids: tuple[int, ...],
+              parent: BlockHash = ROOT_HASH) -> None:
         if not self.enable_caching or block.block_hash is not None:
             return
         if block_hash in self.cached:  # an identical block is already indexed; keep that one
@@ -96,6 +102,8 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = token_ids
         self.cached[block_hash] = block
+        if self.events is not None:
+            self.events.stored(parent, block_hash, token_ids)
 
     def evict(self, block_ids: list[int]) -> None:
         """Remove blocks from the prefix cache (their contents are known bad)."""
@@ -103,12 +111,18 @@ class BlockPool:
             self._forget_hash(self.blocks[block_id])
 
     def reset_prefix_cache(self) -> None:
+        events, self.events = self.events, None  # one AllBlocksCleared says it all
         for block in self.blocks:
             self._forget_hash(block)
+        self.events = events
+        if events is not None:
+            events.cleared()
 
     def _forget_hash(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
+                if self.events is not None:
+                    self.events.removed(block.block_hash)
             block.block_hash = None
             block.token_ids = ()

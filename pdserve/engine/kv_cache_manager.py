@@ -101,7 +101,8 @@ class KVCacheManager:
         hashes = self.block_hashes(request)
         bs = self.block_size
         for i in range(start, num_full):
-            self.pool.cache(blocks[i], hashes[i], tuple(request.token_ids_range(i * bs, (i + 1) * bs)))
+            self.pool.cache(blocks[i], hashes[i], tuple(request.token_ids_range(i * bs, (i + 1) * bs)),
+                            hashes[i - 1] if i else ROOT_HASH)
         self.num_cached_blocks[rid] = num_full
 
     def free(self, request_id: ReqId) -> None:

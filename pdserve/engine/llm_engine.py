@@ -12,6 +12,7 @@ from pdserve.config import EngineConfig
 from pdserve.ec_transfer.base import ECConnector
 from pdserve.ec_transfer.factory import ec_policy
 from pdserve.ec_transfer.params import ECSource
+from pdserve.engine.block_pool import ROOT_HASH
 from pdserve.engine.faults import EngineFaults
 from pdserve.engine.host_memory import keep_freed_memory
 from pdserve.engine.kv_cache_manager import KVCacheManager
@@ -20,6 +21,8 @@ from pdserve.engine.output_processor import OutputProcessor, RequestOutput
 from pdserve.engine.request import MultiModalItem, Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.ids import ReqId, make_internal_request_id
+from pdserve.kv_events.block_events import BlockEvents
+from pdserve.kv_events.publisher import KVEventPublisher
 from pdserve.kv_transfer.params import RemoteDecode, RemotePrefill
 from pdserve.models.config import ModelSpec
 from pdserve.sampling_params import SamplingParams
@@ -87,6 +90,7 @@ class LLMEngine:
         self.scheduler = Scheduler(sched_cfg, self.kv, connectors.scheduler if connectors is not None else None)
         self.output = OutputProcessor(self.tokenizer)
         self.last_step_tokens = 0
+        self.block_events: BlockEvents | None = None
         log.info("engine ready: %s, dtype %s, %d KV blocks of %d tokens, max_model_len %d", config.model,
                  self.dtype, num_blocks, config.block_size, self.max_model_len)
 
@@ -135,8 +139,15 @@ class LLMEngine:
         result = self.runner.execute_model(plan)
         self.last_step_tokens = plan.num_scheduled_tokens
         touched = self.scheduler.update_from_output(plan, result)
+        if self.block_events is not None:
+            self.block_events.end_step()  # what this step cached or evicted goes out now, never before
         self.faults.check_step(plan.scheduled)
         return self._process(touched)
+
+    def publish_kv_events(self, publisher: KVEventPublisher) -> None:
+        """Tell `publisher` what enters and leaves the prefix cache from now on (before the engine runs)."""
+        self.block_events = BlockEvents(publisher, self.config.block_size, ROOT_HASH)
+        self.kv.pool.events = self.block_events
 
     def _process(self, touched: list[Request]) -> list[RequestOutput]:
         outputs, stopped = self.output.process(touched)

@@ -23,6 +23,7 @@ from pdserve.gateway.conditional import ConditionalDisagg
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.registry import Instance, Registry
 from pdserve.ids import TransferId, new_transfer_id
+from pdserve.kv_events.prompt import RoutedPrompt
 from pdserve.migration.wire import MARKER, MOVED_STATUS
 from pdserve.net.http_client import Response, UpstreamError, UpstreamTimeout
 from pdserve.telemetry.timeline import Timeline
@@ -79,7 +80,12 @@ class GatewayHandle(Protocol):
     metrics: GatewayMetrics
     conditional: ConditionalDisagg
 
-    def pick(self, role: str, excluded: set[str], affinity: bytes, partner: Instance | None = None) -> Instance: ...
+    wants_prompt: bool  # whether picking needs the prompt's token ids
+
+    def pick(self, role: str, excluded: set[str], affinity: bytes, partner: Instance | None = None,
+             prompt: RoutedPrompt | None = None) -> Instance: ...
+
+    def prompt_of(self, body: dict[str, Any]) -> RoutedPrompt: ...
 
     def release_kv(self, instance: Instance, params: dict[str, Any], transfer_id: TransferId) -> None: ...
 
@@ -108,8 +114,11 @@ class Call:
     prefill_usage: dict[str, Any] | None = None
     timings: dict[str, float] = field(default_factory=dict)
     timeline: Timeline | None = None  # legs' start, first byte and end, for /v1/timeline and traces
+    prompt: RoutedPrompt | None = None  # token ids and their keys, for policies that route by them
     without_kv: bool = False  # an instance refused the gateway's KV parameters: D computes the prompt itself
     _counted: list[Instance] = field(default_factory=list)
+    # kv_aware's load, per instance this attempt sent a leg to: [prefill tokens until its first token, KV tokens]
+    _busy: dict[Instance, list[int]] = field(default_factory=dict)
     _upstream: list[Response] = field(default_factory=list)
     _leg_spans: dict[str, int] = field(default_factory=dict)  # tracing: the open span of each leg
 
@@ -132,6 +141,7 @@ class Call:
         self._upstream.clear()
         for instance in self._counted:
             instance.in_flight -= 1
+            self._give_back(instance)
         self._counted.clear()
         if self.held is not None:
             instance, params = self.held
@@ -141,9 +151,43 @@ class Call:
     # -- picking --------------------------------------------------------------------------------------------
     def pick(self, role: str, partner: Instance | None = None) -> Instance:
         """An instance for `role`; `partner`: the other half of the pair, which it must be able to talk to."""
-        instance = self.gateway.pick(role, self.excluded, self.affinity(), partner)
+        prompt = self.routed_prompt() if self.gateway.wants_prompt else None
+        instance = self.gateway.pick(role, self.excluded, self.affinity(), partner, prompt)
         self.picks[role] = instance
         return instance
+
+    def routed_prompt(self) -> RoutedPrompt:
+        """The prompt's token ids, tokenized once per request."""
+        if self.prompt is None:
+            self.prompt = self.gateway.prompt_of(self.body)
+        return self.prompt
+
+    # -- kv_aware's load: what this request makes an instance do -----------------------------------------
+    def _take(self, instance: Instance) -> None:
+        """A leg goes to `instance`: the prompt tokens it does not hold are prefill work until the first token;
+        those and the output are KV it keeps while the leg lasts."""
+        prompt = self.prompt
+        if prompt is None or prompt.tokens is None:
+            return
+        uncached = prompt.num_tokens - int(prompt.cached.get(instance.url, 0))
+        load = [uncached, uncached + _max_tokens(self.body)]
+        instance.pending_tokens += load[0]
+        instance.active_tokens += load[1]
+        held = self._busy.setdefault(instance, [0, 0])
+        held[0] += load[0]
+        held[1] += load[1]
+
+    def _prefilled(self, instance: Instance) -> None:
+        held = self._busy.get(instance)
+        if held is not None and held[0]:
+            instance.pending_tokens -= held[0]
+            held[0] = 0
+
+    def _give_back(self, instance: Instance) -> None:
+        held = self._busy.pop(instance, None)
+        if held is not None:
+            instance.pending_tokens -= held[0]
+            instance.active_tokens -= held[1]
 
     def affinity(self) -> bytes:
         prompt = self.body.get("prompt")
@@ -210,6 +254,7 @@ class Call:
                 self.held = None
                 self.timings["decode_first_token"] = time.monotonic() - sent_at
                 self.mark("leg_first_byte", leg=leg, url=instance.url)
+                self._prefilled(instance)
             events = framer.feed(chunk)
             if events:
                 await self.write(self.rewrite_usage(events))
@@ -223,6 +268,7 @@ class Call:
 
     async def _send(self, leg: str, instance: Instance, body: dict[str, Any], header_timeout: float) -> Response:
         instance.in_flight += 1
+        self._take(instance)
         self._counted.append(instance)
         headers = [(b"content-type", b"application/json"), (b"x-request-id", self.request_id.encode()),
                    *self.leg_started(leg, instance)]
@@ -273,6 +319,7 @@ class Call:
         if instance in self._counted:
             self._counted.remove(instance)
             instance.in_flight -= 1
+            self._give_back(instance)
 
     def _leg_error(self, leg: str, instance: Instance, exc: Exception) -> LegError:
         """The instance could not be reached, broke off or missed a deadline: that counts against it."""
@@ -344,6 +391,15 @@ class Call:
                     pass
             out.append(event)
         return b"\n\n".join(out)
+
+
+def _max_tokens(body: dict[str, Any]) -> int:
+    """The output a request may still add to an instance's KV (vLLM's default, 16, when it does not say)."""
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        if type(value) is int and value > 0:
+            return value
+    return 16
 
 
 def _carries_usage(event: bytes) -> bool:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.kv_events.config import PublisherAddress
 from pdserve.net.http_client import HttpPool, UpstreamError, UpstreamTimeout
 from pdserve.server.info import INFO_PATH, InstanceInfo, decode_info
 
@@ -65,6 +66,7 @@ class Capabilities:
     kv_sinks: frozenset[str] = frozenset()  # foreign connectors that load from it as a prefill instance
     kv_layout: str = ""  # PdConnector's KV layout ("pdserve", "vllm-cpu"); "" when unknown or not PdConnector
     kv_block_size: int = 0
+    kv_events: PublisherAddress | None = None  # where a pdserve instance publishes its KV events
 
     @property
     def is_vllm_nixl(self) -> bool:
@@ -110,7 +112,8 @@ def from_info(info: InstanceInfo) -> Capabilities:
     return Capabilities(info.engine, info.engine_version, info.kv_connector, tuple(info.data_planes),
                         frozenset(info.protocols), side, releases=RELEASE_HTTP if info.kv_connector is not None else "",
                         kv_sources=frozenset(info.kv_sources), kv_sinks=frozenset(info.kv_sinks),
-                        kv_layout=info.kv_layout or "", kv_block_size=info.kv_block_size or 0)
+                        kv_layout=info.kv_layout or "", kv_block_size=info.kv_block_size or 0,
+                        kv_events=info.kv_events)
 
 
 async def learn(pool: HttpPool, previous: Capabilities | None) -> Capabilities | None:

@@ -43,13 +43,17 @@ def add_gateway_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     p.add_argument("--encode", nargs="+", default=None, metavar="URL", help="encode instances (E→P→D for images)")
     p.add_argument("--protocol", default=None, help=f"one of: {', '.join(sorted(FORWARDERS))} (default pull)")
     p.add_argument("--scheduling", choices=["batch", "staged"], default=None)
-    p.add_argument("--policy", default=None, help=f"one of: {', '.join(sorted(POLICIES))} (default least_loaded)")
+    p.add_argument("--policy", default=None, help=f"one of: {', '.join(sorted([*POLICIES, 'kv_aware']))} "
+                                                  "(default least_loaded)")
     p.add_argument("--retries", type=int, default=None, help="retries before the first byte (default 1)")
     p.add_argument("--conditional", action=argparse.BooleanOptionalAction, default=None,
                    help="send short prompts (or ones D already holds) to D alone")
     p.add_argument("--min-prompt-tokens", type=int, default=None)
     p.add_argument("--prefix-threshold", type=float, default=None)
-    p.add_argument("--tokenizer", default=None, help="tokenizer.json, for exact prompt lengths")
+    p.add_argument("--tokenizer", default=None,
+                   help="the model's folder (its tokenizer and chat template) or a tokenizer.json: exact prompt lengths "
+                        "for --conditional, and the token ids kv_aware routes by")
+    _add_kv_routing_flags(p)
     p.add_argument("--allow-client-kv-params", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--max-request-body-bytes", type=int, default=None, metavar="BYTES",
                    help="larger request bodies get 413 before they are read (default 32 MiB)")
@@ -67,12 +71,7 @@ def add_gateway_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     p.add_argument("--admin-port", type=int, default=None, metavar="PORT",
                    help="serve the admin endpoints on 127.0.0.1:PORT (0 picks a free port)")
     add_discovery_flags(p)
-    p.add_argument("--rebalance", action=argparse.BooleanOptionalAction, default=None,
-                   help="move running requests off a decode instance whose KV use or queue exceeds another's")
-    p.add_argument("--rebalance-margin", type=float, default=None, metavar="FRACTION",
-                   help="KV use (a fraction of the cache) by which one must exceed the other (default 0.2)")
-    p.add_argument("--rebalance-queue-margin", type=float, default=None, metavar="REQUESTS",
-                   help="or waiting requests by which one must exceed the other (default 2)")
+    _add_rebalance_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
@@ -83,6 +82,30 @@ def add_gateway_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     return p
 
 
+def _add_kv_routing_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-events", nargs="+", default=None, metavar="URL=ENDPOINT[,REPLAY]",
+                   help="where an instance publishes KV events, for kv_aware (vLLM started with --kv-events-config; "
+                        "pdserve instances say it themselves), e.g. http://h:8000=tcp://h:5557,tcp://h:5558")
+    p.add_argument("--kv-overlap-weight", type=float, default=None,
+                   help="kv_aware: weight of prompt tokens an instance does not hold against the tokens it is busy "
+                        "with (default 1; 0 routes by load alone)")
+    p.add_argument("--kv-store-hit-weight", type=float, default=None,
+                   help="kv_aware: credit of a block held in an offload tier or store, against 1 for the device cache "
+                        "(default 0.75)")
+    p.add_argument("--kv-index-capacity", type=int, default=None,
+                   help="kv_aware: entries (instance x block) the prefix index keeps, least recently stored dropped "
+                        "first (default 1000000)")
+
+
+def _add_rebalance_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rebalance", action=argparse.BooleanOptionalAction, default=None,
+                   help="move running requests off a decode instance whose KV use or queue exceeds another's")
+    p.add_argument("--rebalance-margin", type=float, default=None, metavar="FRACTION",
+                   help="KV use (a fraction of the cache) by which one must exceed the other (default 0.2)")
+    p.add_argument("--rebalance-queue-margin", type=float, default=None, metavar="REQUESTS",
+                   help="or waiting requests by which one must exceed the other (default 2)")
+
+
 def load_config(args: argparse.Namespace) -> GatewayConfig:
     values: dict[str, Any] = {}
     if args.config is not None:
@@ -90,6 +113,7 @@ def load_config(args: argparse.Namespace) -> GatewayConfig:
         values = json.loads(text) if args.config.suffix == ".json" else tomllib.loads(text)
     for name in ("prefill", "decode", "both", "encode", "protocol", "scheduling", "policy", "retries", "conditional",
                  "min_prompt_tokens", "prefix_threshold", "tokenizer", "allow_client_kv_params", "otlp_traces_endpoint",
+                 "kv_events", "kv_overlap_weight", "kv_store_hit_weight", "kv_index_capacity",
                  "api_key", "instance_api_key", "admin_token", "admin_port", "max_request_body_bytes",
                  "rebalance", "rebalance_margin", "rebalance_queue_margin", *DISCOVERY_KEYS):
         value = getattr(args, name)

@@ -2,7 +2,9 @@
 pay — the prompt is short, or the chosen D already holds most of it. Every decision is counted with its reason.
 
 Prompt length is counted exactly when the gateway has the model's tokenizer (`--tokenizer`) or the prompt is
-token ids; otherwise it is estimated from UTF-8 bytes (4 per token) and the metric's reason says so.
+token ids; otherwise it is estimated from UTF-8 bytes (4 per token) and the metric's reason says so. Whether D
+holds the prompt comes from the KV-event prefix index when the policy is `kv_aware` (what D's events say it holds
+when it was picked), else from the prompts this gateway recently sent to D.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import msgspec
 
 from pdserve.gateway.encode import client_messages
 from pdserve.gateway.registry import Instance
+from pdserve.kv_events.prompt import PromptTokenizer, RoutedPrompt
 
 
 _BYTES_PER_TOKEN = 4
@@ -52,35 +55,34 @@ class PrefixTracker:
 
 class ConditionalDisagg:
     def __init__(self, metrics: Any, enabled: bool = False, min_prompt_tokens: int = 0,
-                 prefix_threshold: float = 0.8, tokenizer_path: str | None = None) -> None:
+                 prefix_threshold: float = 0.8, tokenizer: PromptTokenizer | None = None) -> None:
         self.metrics = metrics
         self.enabled = enabled
         self.min_prompt_tokens = min_prompt_tokens
         self.prefix_threshold = prefix_threshold
         self.tracker = PrefixTracker()
-        self.tokenizer = None
-        if tokenizer_path:
-            from tokenizers import Tokenizer
+        self.tokenizer = tokenizer
 
-            self.tokenizer = Tokenizer.from_file(tokenizer_path)
-
-    def use_remote_prefill(self, body: dict[str, Any], decode: Instance) -> bool:
-        """True: run P then D. False: D alone. Records the decision and its reason."""
+    def use_remote_prefill(self, body: dict[str, Any], decode: Instance, prompt: RoutedPrompt | None = None) -> bool:
+        """True: run P then D. False: D alone. Records the decision and its reason. `prompt`: the request's
+        token ids as routing saw them, with what the index credited D with when D was picked."""
         if not self.enabled:
             self.metrics.decision("remote_prefill", "always")
             return True
-        tokens, exact = self.prompt_tokens(body)
+        tokens, exact = (prompt.tokens, True) if prompt is not None and prompt.tokens else self.prompt_tokens(body)
         chunks = self.chunks(tokens)
         count = len(tokens) if exact else len(tokens) // _BYTES_PER_TOKEN
-        remote, reason = self._decide(count, exact, decode, chunks)
+        held = prompt.cached.get(decode.url) if prompt is not None else None
+        overlap = held / count if held is not None and count else self.tracker.overlap(decode, chunks)
+        remote, reason = self._decide(count, exact, overlap if chunks or held else 0.0)
         self.tracker.record(decode, chunks)
         self.metrics.decision("remote_prefill" if remote else "local_prefill", reason)
         return remote
 
-    def _decide(self, num_tokens: int, exact: bool, decode: Instance, chunks: list[bytes]) -> tuple[bool, str]:
+    def _decide(self, num_tokens: int, exact: bool, overlap: float) -> tuple[bool, str]:
         if num_tokens < self.min_prompt_tokens:
             return False, "short_prompt" if exact else "short_prompt_estimated"
-        if chunks and self.tracker.overlap(decode, chunks) >= self.prefix_threshold:
+        if overlap and overlap >= self.prefix_threshold:
             return False, "decode_holds_prefix"
         return True, "long_prompt"
 
@@ -90,12 +92,14 @@ class ConditionalDisagg:
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and 0 <= t <= _MAX_TOKEN_ID
                                                        for t in prompt):
             return prompt, True
+        if self.tokenizer is not None:
+            tokens = self.tokenizer.prompt(body).tokens
+            if tokens is not None:
+                return tokens, True
         if prompt is None:
             text = "\n".join(str(m.get("content", "")) for m in client_messages(body) if isinstance(m, dict))
         else:
             text = prompt if isinstance(prompt, str) else msgspec.json.encode(prompt).decode()
-        if self.tokenizer is not None:
-            return self.tokenizer.encode(text, add_special_tokens=False).ids, True
         raw = text.encode()
         return raw[: len(raw) // _BYTES_PER_TOKEN * _BYTES_PER_TOKEN], False
 

@@ -60,7 +60,7 @@ def with_kv_params(body: dict[str, Any], params: dict[str, Any]) -> dict[str, An
 async def served_by_decode_alone(call: Call, decode: Instance) -> bool:
     """Conditional disaggregation: when a remote prefill does not pay, D prefills itself (and this answers); and
     so after an instance refused the KV parameters the gateway wrote (`call.without_kv`)."""
-    if not call.without_kv and call.gateway.conditional.use_remote_prefill(call.body, decode):
+    if not call.without_kv and call.gateway.conditional.use_remote_prefill(call.body, decode, call.prompt):
         return False
     await call.relay("decode", decode, call.body)
     return True

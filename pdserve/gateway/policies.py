@@ -15,6 +15,7 @@ class NoInstanceError(RuntimeError):
 
 class Policy(ABC):
     name = ""
+    wants_prompt = False  # whether `pick` takes the prompt's token ids too (kv_aware)
 
     @abstractmethod
     def pick(self, candidates: list[Instance], affinity: bytes = b"") -> Instance:

@@ -21,6 +21,9 @@ from pdserve.net.http_client import HttpClient, HttpPool, UpstreamError, Upstrea
 
 log = logging.getLogger(__name__)
 _DRAIN_HEADERS = frozenset({DRAINING_HEADER})  # the one upstream header the gateway reads: on /health probes
+# What an instance is cannot change while one kept-alive connection still reaches it (a restart breaks it); asked
+# again on a new connection, and at least this often besides (a proxy in front may keep a connection across one).
+_RELEARN_S = 30.0
 
 _LOAD_METRICS = {b"vllm:num_requests_running": "running", b"vllm:num_requests_waiting": "waiting",
                  b"vllm:kv_cache_usage_perc": "kv_usage"}
@@ -31,6 +34,7 @@ class Instance:
     url: str
     role: str
     pool: HttpPool
+    probe_pool: HttpPool  # health checks: connections of their own, the only ones that read a header
     breaker: Breaker = field(default_factory=Breaker)
     in_flight: int = 0
     running: float = 0.0
@@ -40,6 +44,11 @@ class Instance:
     record: MemberRecord | None = None  # the membership record it was built from (set by Registry.join)
     draining: bool = False  # its /health says it is draining: no new work, whatever its breaker says
     model: str | None = None  # the model it answered it serves, when its record names one to check
+    learned_at: float = float("-inf")  # when `caps` was last asked for
+    # kv_aware's load, the gateway's own count over the legs in flight here: prompt tokens the instance did not hold
+    # and has not prefilled yet (until a leg's first token), and the KV those legs keep (with their output).
+    pending_tokens: int = 0
+    active_tokens: int = 0
 
     @property
     def healthy(self) -> bool:
@@ -86,6 +95,7 @@ class Registry:
             return existing
         parts = urlsplit(url)
         instance = Instance(url=url, role=record.role, pool=self.client.pool(parts.hostname, parts.port),
+                            probe_pool=self.client.pool(parts.hostname, parts.port, _DRAIN_HEADERS),
                             breaker=Breaker(self.health, url), record=record)
         self.instances = {**self.instances, url: instance}
         if self._tasks:  # running: check it now, so that it can take traffic at once, not at the next tick
@@ -153,8 +163,7 @@ class Registry:
     async def _check(self, instance: Instance) -> str:
         """One health check: "" if the instance is fit for traffic, else why not. A draining instance is fit
         (it finishes what it runs) but takes no new work: that is membership, not health."""
-        response = await instance.pool.request("GET", "/health", connect_timeout=self.health.probe_timeout_s,
-                                               read_headers=_DRAIN_HEADERS)
+        response = await instance.probe_pool.request("GET", "/health", connect_timeout=self.health.probe_timeout_s)
         await response.read()
         draining = response.header(DRAINING_HEADER) is not None
         if draining != instance.draining:
@@ -162,7 +171,9 @@ class Registry:
             instance.draining = draining
         if response.status != 200 and not draining:
             return f"/health answered {response.status}"
-        if not await self._learn(instance):
+        now = time.monotonic()
+        if (instance.caps is None or not response.reused_connection or now - instance.learned_at >= _RELEARN_S) \
+                and not await self._learn(instance, now):
             return "it did not say what it is (info endpoint or /version unreadable)"
         return await self._check_model(instance)
 
@@ -172,16 +183,17 @@ class Registry:
         expected = instance.record.model if instance.record is not None else None
         if expected is None or (instance.model == expected and instance.breaker.closed):
             return ""
-        instance.model = await served_model(instance.pool)
+        instance.model = await served_model(instance.probe_pool)
         if instance.model != expected:
             return f"it serves model {instance.model!r}, but registered as {expected!r}"
         return ""
 
-    async def _learn(self, instance: Instance) -> bool:
-        """What the instance is, asked again on every probe: a restart may put another engine at its address."""
-        caps = await learn(instance.pool, instance.caps)
+    async def _learn(self, instance: Instance, now: float) -> bool:
+        """What the instance is, asked again whenever a restart may have put another engine at its address."""
+        caps = await learn(instance.probe_pool, instance.caps)
         if caps is None:
             return False
+        instance.learned_at = now
         if caps != instance.caps:
             log.info("%s instance %s is %s", instance.role, instance.url, caps.describe())
             instance.caps = caps

@@ -22,6 +22,9 @@ from pdserve.gateway.prompt_list import PromptListMerger, split_prompts
 from pdserve.gateway.registry import Instance, Registry
 from pdserve.gateway.release import KVReleaser
 from pdserve.ids import TransferId
+from pdserve.kv_events.policy import KvAware
+from pdserve.kv_events.prompt import PromptTokenizer, RoutedPrompt
+from pdserve.kv_events.routing import KVRouting, parse_kv_events_flags
 from pdserve.membership.membership import Membership
 from pdserve.membership.metrics import MembershipCollector
 from pdserve.membership.record import MemberRecord, check_record
@@ -55,7 +58,11 @@ class GatewayConfig:
     conditional: bool = False
     min_prompt_tokens: int = 0
     prefix_threshold: float = 0.8
-    tokenizer: str | None = None
+    tokenizer: str | None = None  # the model's folder (chat template included) or a tokenizer.json
+    kv_events: list[str] = field(default_factory=list)  # URL=tcp://host:port[,tcp://host:replay_port]
+    kv_overlap_weight: float = 1.0  # kv_aware: weight of uncached prompt tokens against busy tokens
+    kv_store_hit_weight: float = 0.75  # kv_aware: credit of a block held in another tier than the device cache
+    kv_index_capacity: int = 1_000_000  # kv_aware: entries (instance × block) the prefix index keeps
     probe_interval_s: float = 1.0
     health_timeout_s: float = 2.0
     breaker_failures: int = 3
@@ -87,7 +94,6 @@ class Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self.forwarder = make_forwarder(config.protocol, config.scheduling)  # fails fast on a bad combination
-        self.policies = {role: make_policy(config.policy) for role in ("prefill", "decode", "both", "encode")}
         self.scheduling = config.scheduling
         self.deadlines = config.deadlines
         self.api_keys = resolve_api_keys(config.api_key)
@@ -99,8 +105,14 @@ class Gateway:
         self.registry = Registry(self.client, health, config.scrape_interval_s)
         self.pairing = Pairing(self.registry, config.protocol)
         self.metrics = GatewayMetrics(self.registry, config.protocol)
+        self.kv_routing = self._kv_routing(config)
+        self.policies = {role: self.kv_routing.policy() if self.kv_routing is not None else make_policy(config.policy)
+                         for role in ("prefill", "decode", "both", "encode")}
+        self.wants_prompt = self.kv_routing is not None
+        tokenizer = self.kv_routing.tokenizer if self.kv_routing is not None else (
+            PromptTokenizer(config.tokenizer) if config.tokenizer else None)
         self.conditional = ConditionalDisagg(self.metrics, config.conditional, config.min_prompt_tokens,
-                                             config.prefix_threshold, config.tokenizer)
+                                             config.prefix_threshold, tokenizer)
         self.releaser = KVReleaser(self.metrics, config.deadlines.connect_s, config.release_timeout_s)
         self.membership = Membership(discovery_sources(_static_records(config), config.discovery,
                                                        config.discovery_relist_s, _k8s_options(config)),
@@ -113,6 +125,22 @@ class Gateway:
         self.rebalancer = Rebalancer(self, config.rebalance_margin, config.rebalance_queue_margin) \
             if config.rebalance else None
 
+    def _kv_routing(self, config: GatewayConfig) -> KVRouting | None:
+        if config.policy != KvAware.name:
+            make_policy(config.policy)  # an unknown name fails here, at startup
+            return None
+        if config.kv_overlap_weight < 0 or not 0 <= config.kv_store_hit_weight <= 1 or config.kv_index_capacity < 1:
+            raise ValueError("kv_aware wants --kv-overlap-weight >= 0, --kv-store-hit-weight in [0, 1] and "
+                             "--kv-index-capacity >= 1")
+        routing = KVRouting(self.registry, config.tokenizer, config.kv_overlap_weight, config.kv_store_hit_weight,
+                            config.kv_index_capacity)
+        self.metrics.prom.register(routing.collector)
+        return routing
+
+    def prompt_of(self, body: dict[str, Any]) -> RoutedPrompt:
+        """The prompt's token ids, for policies that route by them."""
+        return self.kv_routing.prompt_of(body) if self.kv_routing is not None else RoutedPrompt(None)
+
     async def start(self) -> None:
         """Raises NoPairError when the pool can never serve the configured protocol."""
         await self.membership.start()
@@ -123,12 +151,16 @@ class Gateway:
                         "its health check", len(instances), ", ".join(i.url for i in instances))
         self.pairing.check_startup()
         self.registry.start()
+        if self.kv_routing is not None:
+            self.kv_routing.start()
         if self.rebalancer is not None:
             self.rebalancer.start()
 
     async def stop(self) -> None:
         if self.rebalancer is not None:
             await self.rebalancer.stop()
+        if self.kv_routing is not None:
+            await self.kv_routing.stop()
         await self.membership.stop()
         await self.registry.stop()
         await self.releaser.drain()
@@ -147,14 +179,18 @@ class Gateway:
         return self.pairing.why_none("decode", None)
 
     # -- selection ------------------------------------------------------------------------------------------
-    def pick(self, role: str, excluded: set[str], affinity: bytes, partner: Instance | None = None) -> Instance:
+    def pick(self, role: str, excluded: set[str], affinity: bytes, partner: Instance | None = None,
+             prompt: RoutedPrompt | None = None) -> Instance:
         """An instance for `role`; in a disaggregated protocol, one that can exchange KV with `partner` (or, for
         the first of a pair, with some healthy instance of the other role)."""
         usable = self.pairing.candidates(role, partner)
         candidates = ([i for i in usable if i.url not in excluded] or usable) if excluded else usable
         if not candidates:
             raise NoInstanceError(self.pairing.why_none(role, partner))
-        return self.policies[role].pick(candidates, affinity)
+        policy = self.policies[role]
+        if policy.wants_prompt:
+            return policy.pick(candidates, affinity, prompt)
+        return policy.pick(candidates, affinity)
 
     # -- explicit release of held KV ------------------------------------------------------------------------
     def release_kv(self, instance: Instance, params: dict[str, Any], transfer_id: TransferId) -> None:
@@ -249,8 +285,15 @@ class Gateway:
 
 
 def _static_records(config: GatewayConfig) -> list[MemberRecord]:
-    return [check_record(MemberRecord(url=url, role=role, source="static"))
-            for role in ("prefill", "decode", "both", "encode") for url in getattr(config, role)]
+    """The configured instances, each with where it publishes KV events when `--kv-events` names it."""
+    records = [check_record(MemberRecord(url=url, role=role, source="static"))
+               for role in ("prefill", "decode", "both", "encode") for url in getattr(config, role)]
+    publishers = parse_kv_events_flags(config.kv_events)
+    unknown = set(publishers) - {record.url for record in records}
+    if unknown:
+        raise ValueError(f"--kv-events names {', '.join(sorted(unknown))}, which is no configured instance")
+    return [msgspec.structs.replace(record, kv_events=publishers[record.url]) if record.url in publishers else record
+            for record in records]
 
 
 def _k8s_options(config: GatewayConfig) -> KubernetesOptions:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
+from urllib.parse import urlsplit
 
 import torch
 
@@ -99,6 +100,14 @@ class KVStoreTier:
         self._lock = threading.Lock()
         self._connected = False
         self._down_until = 0.0
+
+    @property
+    def identity(self) -> str:
+        """The store and the key namespace, as KV events name them: instances that say the same read each other's
+        blocks. The URL keeps only scheme, host, port and path (it is published: no credentials)."""
+        parts = urlsplit(self.config.url)
+        port = f":{parts.port}" if parts.port else ""
+        return f"{parts.scheme}://{parts.hostname}{port}{parts.path}#{self.namespace.tag}"
 
     # -- availability -----------------------------------------------------------------------------------
     def available(self) -> bool:

@@ -6,8 +6,9 @@ strided view ``[num_blocks, num_kv_heads, block_size, head_dim]`` that attention
 
 A step's flat batch puts decode tokens (one per request) first, then prefill chunks. Decodes are attended over a
 padded block table in one call: the native kernel reading the blocks in place when the engine has it
-(pdserve.native), else SDPA or grouped matmuls (fp32 batches) over a gathered copy; each prefill chunk goes
-through SDPA with its cached context.
+(pdserve.native), else SDPA or grouped matmuls (fp32 batches) over a gathered copy. Prefill chunks likewise: every
+chunk of the step in one call of the native kernel, which reads its context and its own keys from the blocks in
+place, else each chunk through SDPA with its cached context gathered.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ import torch.nn.functional as F
 
 # (q [decodes, heads, head_dim], one layer's cache view, block table, context lengths, scale) -> like q
 DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+# (q [tokens, heads, head_dim], one layer's cache view, out (dense, like q: the chunks' rows are written), spans
+# [chunks, 3], block tables [chunks, max_blocks], scale) -> None
+PrefillKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], None]
 
 
 @dataclass(slots=True)
@@ -40,6 +44,14 @@ class AttentionMetadata:
     decode_lengths: torch.Tensor | None = None  # [num_decodes] context length of each decode, its own token included
     decode_kernel: DecodeKernel | None = None  # reads the blocks in place; None: the torch path (needs decode_bias)
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # The native path's view of the same chunks: (start, end, context) rows and block tables padded with block 0.
+    prefill_spans: torch.Tensor | None = None
+    prefill_tables: torch.Tensor | None = None
+    prefill_kernel: PrefillKernel | None = None  # reads the blocks in place; None: SDPA per chunk
+    # Rows that sample (batch order), where some do not: the last layer computes past its KV write only for them,
+    # attended as decodes over their sequences so far (`sampled`).
+    sampled_rows: torch.Tensor | None = None
+    sampled: AttentionMetadata | None = None
 
 
 def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -80,9 +92,13 @@ def attend_written(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cach
     nd = meta.num_decode_tokens
     if nd == q.shape[0]:  # decodes only, the steady state: their output is the whole output, no copy into one
         return _decode_attention(q, layer_cache, meta, scale)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # dense, whatever q's strides
     if nd:
         out[:nd] = _decode_attention(q[:nd], layer_cache, meta, scale)
+    if meta.prefill_kernel is not None:
+        assert meta.prefill_spans is not None and meta.prefill_tables is not None
+        meta.prefill_kernel(q, layer_cache, out, meta.prefill_spans, meta.prefill_tables, scale)
+        return out
     for chunk in meta.prefills:
         out[chunk.start:chunk.end] = _prefill_attention(q, k, v, layer_cache, chunk, scale)
     return out

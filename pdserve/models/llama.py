@@ -61,9 +61,13 @@ class DecoderLayer:
         self.head_split = (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads)
 
     def __call__(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                 layer_cache: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+                 layer_cache: torch.Tensor, ctx: ForwardContext,
+                 rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, the residual stream before it): the residual add is left to the next
-        norm, which does it in the same pass (vLLM's layout; the sums are the ones Hugging Face computes)."""
+        norm, which does it in the same pass (vLLM's layout; the sums are the ones Hugging Face computes).
+
+        With `rows` (the last layer of a step where some rows do not sample) every row's k and v are written, and
+        only those rows go on through attention and the MLP: nothing downstream reads the others."""
         ops = ctx.ops
         normed, residual = self.input_norm.with_residual(hidden, residual, ops)
         # One view and one split of the fused projection: q, k and v as per-head views of its output
@@ -73,7 +77,13 @@ class DecoderLayer:
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = ops.rotary_and_cache(positions, q, k, v, self.rotary.cos, self.rotary.sin, layer_cache, ctx.attn)
-        attn_out = attend_written(q, k, v, layer_cache, ctx.attn, self.scale)
+        attn = ctx.attn
+        if rows is not None:
+            assert attn.sampled is not None
+            q, residual, attn = q.index_select(0, rows), residual.index_select(0, rows), attn.sampled
+            if not len(rows):
+                return q.new_empty(0, residual.shape[1]), residual
+        attn_out = attend_written(q, k, v, layer_cache, attn, self.scale)
         hidden = self.o_proj(attn_out.reshape(-1, self.q_size))
         normed, residual = self.post_attention_norm.with_residual(hidden, residual, ops)
         return self.down(ops.silu_and_mul(self.gate_up(normed))), residual
@@ -108,9 +118,11 @@ class LlamaForCausalLM:
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
+        last = len(self.layers) - 1
         for index, layer in enumerate(self.layers):
             ctx.hooks.wait_for_layer_load(index)
-            hidden, residual = layer(positions, hidden, residual, ctx.kv_cache[:, index], ctx)
+            rows = ctx.attn.sampled_rows if index == last else None
+            hidden, residual = layer(positions, hidden, residual, ctx.kv_cache[:, index], ctx, rows)
             ctx.hooks.save_kv_layer(index)
         return self.norm.with_residual(hidden, residual, ctx.ops)[0]
 

@@ -1,5 +1,7 @@
-"""Which kernels an engine uses: the native ones (paged decode attention, fused RMSNorm / residual add / SiLU * mul)
-or the plain-torch path. The fused row-wise ops come with the attention kernel: one library, one choice.
+"""Which kernels an engine uses: the native ones (paged decode and prefill attention, fused RMSNorm / residual add /
+SiLU * mul, rotary embedding with the cache write) or the plain-torch path. The fused row-wise ops and the prefill
+attention come with the decode kernel: one library, one choice. The prefill kernel also needs oneDNN's micro-kernels
+for the dtype (bf16: AMX); where they are missing, prefill chunks take SDPA beside the native decode kernel.
 
 `auto` takes the native kernel when its library is already in the build cache and falls back to torch otherwise
 (no compiler, a failed build, a device other than the CPU, a dtype the kernel lacks); `native` builds it if needed
@@ -15,7 +17,7 @@ import os
 import torch
 
 from pdserve.config import ATTENTION_BACKENDS
-from pdserve.layers.attention import AttentionMetadata, DecodeKernel
+from pdserve.layers.attention import AttentionMetadata, DecodeKernel, PrefillKernel
 from pdserve.layers.pointwise import TORCH_POINTWISE, PointwiseOps
 from pdserve.native.build import cached_library, ensure_built, load_library
 
@@ -58,12 +60,29 @@ def native_rotary_and_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.T
     return q, k
 
 
+def native_prefill(q: torch.Tensor, layer_cache: torch.Tensor, out: torch.Tensor, spans: torch.Tensor,
+                   tables: torch.Tensor, scale: float) -> None:
+    torch.ops.pdserve.paged_prefill(q, layer_cache, out, spans, tables, scale)
+
+
 NATIVE_POINTWISE = PointwiseOps(native_rms_norm, native_add_rms_norm, native_silu_and_mul, native_rotary_and_cache)
 
 
 def pointwise_ops_for(decode_kernel: DecodeKernel | None) -> PointwiseOps:
     """The fused row-wise ops when the native library is loaded (it holds both), else plain torch."""
     return TORCH_POINTWISE if decode_kernel is None else NATIVE_POINTWISE
+
+
+def prefill_kernel_for(decode_kernel: DecodeKernel | None, dtype: torch.dtype) -> PrefillKernel | None:
+    """The native prefill kernel when the native library is loaded and its micro-kernels serve `dtype` on this CPU,
+    else None (SDPA per chunk); says which in the log."""
+    if decode_kernel is None:
+        return None
+    if not torch.ops.pdserve.prefill_supported(dtype):
+        log.info("prefill attention: torch (oneDNN's micro-kernels do not serve %s on this CPU)", dtype)
+        return None
+    log.info("prefill attention: native paged kernel")
+    return native_prefill
 
 
 def choose_decode_kernel(configured: str | None, device: torch.device, dtype: torch.dtype) -> DecodeKernel | None:

@@ -24,7 +24,8 @@ import torch
 from pdserve.utils import cpuinfo_line
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "paged_attention.cpp", HERE / "pointwise.cpp", HERE / "rotary_cache.cpp")
+SOURCES = (HERE / "paged_attention.cpp", HERE / "pointwise.cpp", HERE / "rotary_cache.cpp",
+           HERE / "prefill_attention.cpp")
 HEADERS = (HERE / "vec_math.h", HERE / "attention_avx512.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
 BUILD_TIMEOUT_S = 600.0

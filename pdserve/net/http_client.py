@@ -92,8 +92,8 @@ class _Connection(asyncio.Protocol):
 
 
 class _HeaderConnection(_Connection):
-    """A one-use connection that keeps the answer's headers named in `wanted`: a class of its own because
-    httptools calls `on_header` on any protocol that defines it, and the proxy path reads no header at all."""
+    """A connection that keeps the answer's headers named in `wanted`: a class of its own because httptools calls
+    `on_header` on any protocol that defines it, and the proxy path reads no header at all."""
 
     def __init__(self, pool: HttpPool, wanted: frozenset[bytes]) -> None:
         super().__init__(pool)
@@ -103,12 +103,6 @@ class _HeaderConnection(_Connection):
         name = name.lower()
         if self.response is not None and name in self.wanted:
             self.response.header_values[name] = value
-
-    def on_message_complete(self) -> None:
-        r, self.response = self.response, None
-        if r is not None:
-            r._finish()
-        self.close()  # never pooled: a proxied request must not pay for header callbacks
 
 
 class Response:
@@ -127,10 +121,15 @@ class Response:
         self._waiter: asyncio.Future | None = None  # a reader waiting for the head or for more body
         self._done = False
         self._exc: Exception | None = None
-        self.header_values: dict[bytes, bytes] = {}  # only the headers a request asked for (`read_headers`)
+        self.header_values: dict[bytes, bytes] = {}  # only those its pool reads (`HttpPool.read_headers`)
 
     def header(self, name: bytes) -> bytes | None:
         return self.header_values.get(name.lower())
+
+    @property
+    def reused_connection(self) -> bool:
+        """It came on a connection kept alive from an earlier answer: the same upstream process answered both."""
+        return self._conn.reused
 
     def _wake(self) -> None:
         waiter, self._waiter = self._waiter, None
@@ -221,20 +220,22 @@ def _expire(waiter: asyncio.Future) -> None:
 
 
 class HttpPool:
-    """Keep-alive connections to one upstream (host, port)."""
+    """Keep-alive connections to one upstream (host, port). Answers' headers are not kept, except those named
+    (lower case) in `read_headers`: a pool that reads some keeps connections of its own kind."""
 
     def __init__(self, host: str, port: int, max_idle: int = 64,
-                 headers: list[tuple[bytes, bytes]] | None = None) -> None:
+                 headers: list[tuple[bytes, bytes]] | None = None,
+                 read_headers: frozenset[bytes] = frozenset()) -> None:
         self.host = host
         self.port = port
         self.max_idle = max_idle
         self._idle: list[_Connection] = []
         self.host_header = f"{host}:{port}".encode()
         self.headers = headers or []  # sent with every request (the upstream's credentials)
+        self.read_headers = read_headers
 
-    async def _connect(self, timeout: float, reuse: bool = True,
-                       read_headers: frozenset[bytes] = frozenset()) -> _Connection:
-        while reuse and not read_headers and self._idle:
+    async def _connect(self, timeout: float, reuse: bool = True) -> _Connection:
+        while reuse and self._idle:
             conn = self._idle.pop()
             if not conn.closed:
                 conn.reused = True
@@ -243,7 +244,7 @@ class HttpPool:
         try:
             async with asyncio.timeout(timeout):
                 _, conn = await loop.create_connection(
-                    lambda: _HeaderConnection(self, read_headers) if read_headers else _Connection(self),
+                    lambda: _HeaderConnection(self, self.read_headers) if self.read_headers else _Connection(self),
                     self.host, self.port)
         except TimeoutError:
             raise UpstreamTimeout("connecting", timeout) from None
@@ -259,12 +260,8 @@ class HttpPool:
 
     async def request(self, method: str, path: str, body: bytes = b"",
                       headers: list[tuple[bytes, bytes]] | None = None, *, connect_timeout: float = 5.0,
-                      header_timeout: float | None = None,
-                      read_headers: frozenset[bytes] = frozenset()) -> Response:
+                      header_timeout: float | None = None) -> Response:
         """Send a request and wait for the response's status and headers (the body streams on).
-
-        The answer's headers are not kept, except those named (lower case) in `read_headers`: such a request
-        goes on a connection of its own, closed after it.
 
         A kept-alive connection the upstream closed just before this request (a server closes after an answer
         it could not finish cleanly) fails without a byte back: the request is sent once more on a fresh
@@ -276,14 +273,13 @@ class HttpPool:
             head += [name, b": ", value, b"\r\n"]
         head.append(b"\r\n")
         message = b"".join(head) + body
-        conn = await self._connect(connect_timeout, read_headers=read_headers)
+        conn = await self._connect(connect_timeout)
         try:
             return await self._exchange(conn, message, header_timeout)
         except UpstreamError:
             if not conn.reused or conn.received:
                 raise
-        conn = await self._connect(connect_timeout, reuse=False, read_headers=read_headers)
-        return await self._exchange(conn, message, header_timeout)
+        return await self._exchange(await self._connect(connect_timeout, reuse=False), message, header_timeout)
 
     async def _exchange(self, conn: _Connection, message: bytes, header_timeout: float | None) -> Response:
         response = Response(conn)
@@ -303,13 +299,14 @@ class HttpClient:
     """Pools by upstream; `headers` go with every request (e.g. the upstreams' API key)."""
 
     def __init__(self, headers: list[tuple[bytes, bytes]] | None = None) -> None:
-        self._pools: dict[tuple[str, int], HttpPool] = {}
+        self._pools: dict[tuple[str, int, frozenset[bytes]], HttpPool] = {}
         self.headers = headers or []
 
-    def pool(self, host: str, port: int) -> HttpPool:
-        pool = self._pools.get((host, port))
+    def pool(self, host: str, port: int, read_headers: frozenset[bytes] = frozenset()) -> HttpPool:
+        pool = self._pools.get((host, port, read_headers))
         if pool is None:
-            pool = self._pools[(host, port)] = HttpPool(host, port, headers=self.headers)
+            pool = self._pools[(host, port, read_headers)] = HttpPool(host, port, headers=self.headers,
+                                                                      read_headers=read_headers)
         return pool
 
     def close(self) -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import msgspec
 
+from pdserve.kv_events.config import PublisherAddress
+
 INFO_PATH = "/v1/pdserve/info"
 INFO_VERSION = 1
 ENGINE = "pdserve"
@@ -40,6 +42,9 @@ class InstanceInfo(msgspec.Struct, frozen=True, kw_only=True):
     # layout when it writes them by push (same block size).
     kv_layout: str | None = None
     kv_block_size: int | None = None
+    # Where this instance publishes its KV-cache events (vLLM's wire), for a gateway's prefix index: the
+    # endpoints as a subscriber dials them (the advertised host, never a wildcard), the topic and block size.
+    kv_events: PublisherAddress | None = None
 
 
 def protocols_for(role: str, kv_connector: str | None) -> list[str]:

@@ -53,6 +53,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ec-transfer-config", type=json_object, default=None,
                    help='JSON like vLLM\'s: {"ec_connector": "ECStorageConnector"|"ECP2PConnector", "ec_role": ..., '
                         '"ec_load_failure_policy": "recompute"|"fail", "ec_connector_extra_config": {...}}')
+    p.add_argument("--kv-events-config", type=json_object, default=None,
+                   help='JSON like vLLM\'s: {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": '
+                        '"tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "...", "buffer_steps": 10000, '
+                        '"hwm": 100000, "max_queue_size": 100000}; port 0 takes a free port on --host')
     p.add_argument("--encoder-cache-size", type=int, default=None, help="embeddings of encoder outputs to keep")
     p.add_argument("--allowed-local-media-path", type=Path, default=None,
                    help="a directory images may be read from by path (off by default)")
@@ -98,7 +102,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
         seed=args.seed, num_threads=args.threads, device=args.device,
         attention_backend=args.attention_backend, role=role, kv_transfer_config=kv_config,
-        ec_transfer_config=args.ec_transfer_config or {}, encoder_cache_size=args.encoder_cache_size,
+        ec_transfer_config=args.ec_transfer_config or {}, kv_events_config=args.kv_events_config or {},
+        encoder_cache_size=args.encoder_cache_size,
         allowed_local_media_path=args.allowed_local_media_path, allow_remote_media=args.allow_remote_media,
     )
 

@@ -1,0 +1,339 @@
+"""The gateway's subscriptions: one thread, one SUB (+ a DEALER for replay) per publishing instance, feeding the
+prefix index.
+
+Per instance, the subscription is a small state machine:
+
+* **connecting**: ZMQ dials (and redials) the publisher. Nothing is credited: the instance is scored by load
+  alone, which is also all an unreachable publisher ever costs.
+* on connect, the instance's entries are cleared and its history **replayed** from sequence 0 (what the publisher
+  still buffers), then what arrived live meanwhile is applied in order; a publisher without a replay endpoint is
+  taken from its next batch on.
+* **live**: batches apply in sequence. A publisher that falls quiet is asked for anything after its last batch
+  now and then (`idle_replay_s`): a loss at the end of a burst shows no gap until another batch comes. A gap (the publisher's high-water mark dropped some) replays from the first
+  missing one, or, with no replay endpoint, clears the instance. A sequence that goes back means the engine
+  restarted (or a batch came twice): the instance is cleared and replayed from 0. A replay that does not end in
+  time degrades the instance (cleared, retried later). A batch that does not decode clears the instance; a message
+  that is not a batch at all (foreign framing) is counted and ignored.
+* a lost connection (the publisher died) drops the instance's entries at once; leaving membership drops them too.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from pdserve.kv_events.config import PublisherAddress
+from pdserve.kv_events.index import PrefixIndex
+from pdserve.kv_events.wire import EventDecodeError, decode_batch
+
+log = logging.getLogger(__name__)
+
+_MAX_WAIT_S = 1.0  # the thread sleeps until a socket, a command or its next deadline; at most this long
+_SWEEP_S = 1.0
+_MAX_HELD = 10_000  # live batches kept while a replay runs; past it the replay starts over
+_END_SEQ = -1
+
+
+@dataclass
+class Counters:
+    gaps: int = 0
+    replays: int = 0
+    restarts: int = 0
+    decode_errors: int = 0
+    batches: int = 0
+    disconnects: int = 0
+
+
+@dataclass(eq=False)
+class _Subscription:
+    member: str
+    address: PublisherAddress
+    sub: zmq.Socket
+    monitor: zmq.Socket
+    dealer: zmq.Socket | None = None
+    state: str = "connecting"  # connecting, replaying, live, degraded
+    next_seq: int | None = None  # the next live batch expected
+    held: list[tuple[int, bytes]] = field(default_factory=list)  # live batches received during a replay
+    deadline: float = 0.0  # of the running replay, or when a degraded instance tries again
+    counters: Counters = field(default_factory=Counters)
+
+
+class Listener:
+    def __init__(self, index: PrefixIndex, replay_timeout_s: float = 5.0, retry_s: float = 2.0,
+                 rcvhwm: int = 100_000, idle_replay_s: float = 5.0) -> None:
+        self.index = index
+        self.replay_timeout_s = replay_timeout_s
+        self.retry_s = retry_s
+        self.idle_replay_s = idle_replay_s
+        self.rcvhwm = rcvhwm
+        self._ctx = zmq.Context()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._subs: dict[str, _Subscription] = {}
+        self._by_socket: dict[zmq.Socket, tuple[_Subscription, str]] = {}
+        self._poller = zmq.Poller()
+        # set_members wakes the thread through an inproc pair (the caller's end is used from one thread only).
+        self._wake_rx = self._ctx.socket(zmq.PAIR)
+        self._wake_rx.bind(f"inproc://kv-listener-{id(self)}")
+        self._wake_tx = self._ctx.socket(zmq.PAIR)
+        self._wake_tx.connect(f"inproc://kv-listener-{id(self)}")
+        self._poller.register(self._wake_rx, zmq.POLLIN)
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- the event loop's side ------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="pdserve-kv-index", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._wake()
+        if self._thread is not None:
+            self._thread.join(5)
+        for sub in list(self._subs.values()):
+            self._close(sub)
+        self._ctx.destroy(linger=0)
+
+    def set_members(self, members: dict[str, PublisherAddress]) -> None:
+        """The instances that publish and where; the listener subscribes, resubscribes and drops to match."""
+        self._commands.put(dict(members))
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            self._wake_tx.send(b"", zmq.NOBLOCK)
+        except zmq.ZMQError:  # already woken (a full pipe) or closed
+            pass
+
+    def snapshot(self) -> dict[str, tuple[str, Counters]]:
+        """Each subscription's state and counters (read by the metrics; plain values, safe across threads)."""
+        return {name: (sub.state, sub.counters) for name, sub in list(self._subs.items())}
+
+    # -- the listener thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        next_sweep = time.monotonic() + _SWEEP_S
+        while not self._stopping.is_set():
+            self._apply_commands()
+            wake_at = min([next_sweep, *(s.deadline for s in self._subs.values() if s.deadline)])
+            wait_ms = int(max(0.0, min(wake_at - time.monotonic(), _MAX_WAIT_S)) * 1000) + 1
+            for sock, _ in self._poller.poll(wait_ms):
+                owner = self._by_socket.get(sock)
+                if owner is not None:
+                    self._dispatch(*owner)
+                elif sock is self._wake_rx:
+                    while self._wake_rx.poll(0):
+                        self._wake_rx.recv()
+            now = time.monotonic()
+            for sub in list(self._subs.values()):
+                if sub.deadline and now >= sub.deadline:
+                    self._on_deadline(sub)
+            if now >= next_sweep:
+                self.index.sweep()
+                next_sweep = now + _SWEEP_S
+
+    def _dispatch(self, sub: _Subscription, role: str) -> None:
+        try:
+            if role == "sub":
+                self._drain_live(sub)
+            elif role == "monitor":
+                self._drain_monitor(sub)
+            else:
+                self._drain_replay(sub)
+        except zmq.ZMQError as exc:
+            log.warning("KV events from %s: %s", sub.member, exc)
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                wanted = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            for name in [n for n, s in self._subs.items() if wanted.get(n) != s.address]:
+                self._close(self._subs.pop(name))
+                self.index.drop(name)
+            for name, address in wanted.items():
+                if name not in self._subs:
+                    self._open(name, address)
+
+    def _open(self, member: str, address: PublisherAddress) -> None:
+        """Subscribe; an endpoint ZMQ refuses (a record may carry anything) leaves the member scored by load."""
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, self.rcvhwm)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)  # before any connection
+        try:
+            sock.connect(address.endpoint)
+        except zmq.ZMQError as exc:
+            sock.disable_monitor()
+            monitor.close(linger=0)
+            sock.close(linger=0)
+            log.warning("cannot subscribe to the KV events of %s at %r (%s): scoring it by load", member,
+                        address.endpoint, exc)
+            return
+        sock.subscribe(address.topic.encode())
+        sub = self._subs[member] = _Subscription(member, address, sock, monitor)
+        self._watch(sub, sock, "sub")
+        self._watch(sub, monitor, "monitor")
+        log.info("subscribed to the KV events of %s at %s", member, address.endpoint)
+
+    def _watch(self, sub: _Subscription, sock: zmq.Socket, role: str) -> None:
+        self._poller.register(sock, zmq.POLLIN)
+        self._by_socket[sock] = (sub, role)
+
+    def _unwatch(self, sock: zmq.Socket | None) -> None:
+        if sock is None:
+            return
+        self._poller.unregister(sock)
+        self._by_socket.pop(sock, None)
+        sock.close(linger=0)
+
+    def _close(self, sub: _Subscription) -> None:
+        self._unwatch(sub.dealer)
+        sub.sub.disable_monitor()
+        self._unwatch(sub.monitor)
+        self._unwatch(sub.sub)
+
+    # -- connection --------------------------------------------------------------------------------------
+    def _drain_monitor(self, sub: _Subscription) -> None:
+        while sub.monitor.poll(0):
+            event = recv_monitor_message(sub.monitor)["event"]
+            if event == zmq.EVENT_CONNECTED:
+                self._start_replay(sub, 0, clear=True)
+            elif event == zmq.EVENT_DISCONNECTED:
+                sub.counters.disconnects += 1
+                log.warning("lost the KV events of %s: scoring it by load until it is back", sub.member)
+                self._degrade(sub, retry=False)
+
+    def _degrade(self, sub: _Subscription, retry: bool) -> None:
+        self.index.drop(sub.member)
+        self._unwatch(sub.dealer)
+        sub.dealer = None
+        sub.state = "degraded" if retry else "connecting"
+        sub.next_seq = None
+        sub.held.clear()
+        sub.deadline = time.monotonic() + self.retry_s if retry else 0.0
+
+    def _on_deadline(self, sub: _Subscription) -> None:
+        if sub.state == "live":  # quiet for a while: ask for anything after the last batch
+            self._start_replay(sub, sub.next_seq or 0, clear=False, counted=False)
+        elif sub.state == "replaying":
+            log.warning("the KV events of %s: no replay within %g s; scoring it by load for now", sub.member,
+                        self.replay_timeout_s)
+            self._degrade(sub, retry=True)
+        elif sub.state == "degraded":
+            self._start_replay(sub, 0, clear=True)
+
+    # -- replay ------------------------------------------------------------------------------------------
+    def _start_replay(self, sub: _Subscription, start: int, clear: bool, counted: bool = True) -> None:
+        if clear:
+            self.index.clear(sub.member)
+            sub.next_seq = None
+        self.index.join(sub.member, sub.address.block_size, sub.address.store)
+        if sub.address.replay_endpoint is None:
+            sub.state, sub.deadline = "live", 0.0
+            return
+        self._unwatch(sub.dealer)  # a fresh socket: nothing of an unanswered request can arrive late
+        dealer = sub.dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        # A replay sends thousands of batches at once; a ROUTER drops what a full pipe cannot take (the end marker
+        # too), so this side takes everything (the publisher's buffer bounds it).
+        dealer.setsockopt(zmq.RCVHWM, 0)
+        dealer.connect(sub.address.replay_endpoint)
+        self._watch(sub, dealer, "dealer")
+        dealer.send_multipart((b"", start.to_bytes(8, "big")))
+        sub.counters.replays += counted
+        sub.state = "replaying"
+        sub.deadline = time.monotonic() + self.replay_timeout_s
+
+    def _drain_replay(self, sub: _Subscription) -> None:
+        while sub.dealer is not None and sub.dealer.poll(0):
+            frames = sub.dealer.recv_multipart()
+            if sub.state != "replaying" or len(frames) not in (3, 4) or len(frames[-2]) != 8:
+                continue
+            seq = int.from_bytes(frames[-2], "big", signed=True)
+            if seq == _END_SEQ:
+                self._end_replay(sub)
+                return
+            if sub.next_seq is None or seq >= sub.next_seq:
+                self._apply(sub, seq, frames[-1])
+
+    def _end_replay(self, sub: _Subscription) -> None:
+        sub.state = "live"
+        self._quiet_from_now(sub)
+        self._unwatch(sub.dealer)
+        sub.dealer = None
+        held, sub.held = sub.held, []
+        for seq, payload in held:
+            if sub.next_seq is not None and seq < sub.next_seq:
+                continue  # the replay brought it already
+            self._on_batch(sub, seq, payload)
+            if sub.state != "live":  # a gap among them started another replay: keep the rest for it
+                sub.held.extend(item for item in held if item[0] > seq)
+                return
+
+    # -- live batches ------------------------------------------------------------------------------------
+    def _drain_live(self, sub: _Subscription) -> None:
+        while True:
+            try:
+                frames = sub.sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 3 or len(frames[1]) != 8:
+                sub.counters.decode_errors += 1
+                continue
+            seq = int.from_bytes(frames[1], "big")
+            if sub.state == "replaying":
+                sub.held.append((seq, frames[2]))
+                if len(sub.held) > _MAX_HELD:
+                    self._start_replay(sub, 0, clear=True)
+                    sub.held.clear()
+            elif sub.state == "live":
+                self._on_batch(sub, seq, frames[2])
+
+    def _on_batch(self, sub: _Subscription, seq: int, payload: bytes) -> None:
+        expected = sub.next_seq
+        if expected is None or seq == expected:
+            self._apply(sub, seq, payload)
+        elif seq > expected:
+            sub.counters.gaps += 1
+            if sub.address.replay_endpoint is None:
+                self.index.clear(sub.member)
+                self._apply(sub, seq, payload)
+            else:
+                sub.held.append((seq, payload))
+                self._start_replay(sub, expected, clear=False)
+        else:
+            sub.counters.restarts += 1
+            log.info("the KV event sequence of %s went back (%d after %d): the engine restarted; rebuilding",
+                     sub.member, seq, expected - 1)
+            if sub.address.replay_endpoint is None:
+                self.index.clear(sub.member)
+                self._apply(sub, seq, payload)
+            else:
+                sub.held.append((seq, payload))
+                self._start_replay(sub, 0, clear=True)
+
+    def _apply(self, sub: _Subscription, seq: int, payload: bytes) -> None:
+        sub.next_seq = seq + 1
+        try:
+            batch = decode_batch(payload)
+        except EventDecodeError as exc:
+            sub.counters.decode_errors += 1
+            log.warning("undecodable KV event batch %d from %s (%s): its entries are dropped", seq, sub.member, exc)
+            self.index.clear(sub.member)
+            return
+        sub.counters.batches += 1
+        self.index.apply(sub.member, batch.events)
+        if sub.state == "live":
+            self._quiet_from_now(sub)
+
+    def _quiet_from_now(self, sub: _Subscription) -> None:
+        """A live subscription with a replay endpoint asks for missed batches once it has been quiet a while."""
+        sub.deadline = time.monotonic() + self.idle_replay_s if sub.address.replay_endpoint is not None else 0.0

@@ -1,0 +1,66 @@
+"""Encoding a rendered chat prompt piece by piece, with the pieces remembered.
+
+A tokenizer cuts its input at its added tokens (`<|im_start|>`, `<|im_end|>`, ...) before it normalizes or
+pre-tokenizes anything, so the text between two of them encodes the same wherever it stands. A chat prompt is
+mostly pieces seen before (the system prompt, the earlier turns of a conversation): remembering each piece's ids
+makes the gateway encode only what is new, which is what keeps routing by token ids as cheap as routing blindly.
+Some tokenizers do look across the cut (added tokens that strip the spaces beside them, a prefix space added only
+at the very start): a self-test at startup compares piecewise and whole encodings and turns the memory off where
+they differ.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from typing import Any
+
+_SAMPLES = ("Hello there!\n How are you?  ", " leading space", "tabs\tand\n\nnew lines ", "x")
+
+
+class PieceEncoder:
+    def __init__(self, tokenizer: Any, capacity: int = 20_000) -> None:
+        self.tokenizer = tokenizer
+        self.capacity = capacity
+        added = {token.content: token_id for token_id, token in tokenizer.get_added_tokens_decoder().items()}
+        exact = all(not (t.lstrip or t.rstrip or t.normalized) for t in tokenizer.get_added_tokens_decoder().values())
+        self._ids = added
+        self._split = re.compile("(" + "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True)) + ")") \
+            if added else None
+        self._memory: OrderedDict[str, list[int]] = OrderedDict()
+        self.enabled = exact and self._split is not None and self._self_test()
+
+    def encode(self, text: str) -> list[int]:
+        """`text`'s ids without special tokens added around it (the chat template placed them)."""
+        if not self.enabled:
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+        out: list[int] = []
+        for i, piece in enumerate(self._split.split(text)):
+            if i % 2:
+                out.append(self._ids[piece])
+            elif piece:
+                out.extend(self._piece(piece))
+        return out
+
+    def _piece(self, piece: str) -> list[int]:
+        ids = self._memory.get(piece)
+        if ids is None:
+            ids = self._memory[piece] = self.tokenizer.encode(piece, add_special_tokens=False).ids
+            if len(self._memory) > self.capacity:
+                self._memory.popitem(last=False)
+        else:
+            self._memory.move_to_end(piece)
+        return ids
+
+    def _self_test(self) -> bool:
+        self.enabled = True
+        specials = list(self._ids)
+        for a in _SAMPLES:
+            for b in _SAMPLES:
+                for special in specials[:3]:
+                    text = a + special + b + special
+                    if self.encode(text) != self.tokenizer.encode(text, add_special_tokens=False).ids:
+                        self._memory.clear()
+                        return False
+        self._memory.clear()
+        return True

@@ -1,0 +1,158 @@
+"""A request's prompt as token ids, at the gateway: what the prefix index is keyed by.
+
+The instances publish token ids, so the gateway must see the prompt as they will: token-id prompts as sent; text
+prompts encoded with the model's own tokenizer.json (Hugging Face `tokenizers`, special tokens added as the
+instances add them to completions); chat messages rendered through the model's chat template first (jinja2, set
+up as transformers sets it up: sandboxed, trim_blocks, lstrip_blocks, loop controls), then encoded without adding
+special tokens (the template places them). A request the gateway cannot render (images, an unknown template
+feature) has no token ids and is routed by load alone. Keys per block size are computed on first use and kept
+with the prompt, so every pick of one request hashes it once.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from array import array
+from pathlib import Path
+from typing import Any
+
+from pdserve.kv_events.index import content_keys
+from pdserve.kv_events.pieces import PieceEncoder
+
+_MAX_TOKEN_ID = 2**31 - 1
+
+
+class RoutedPrompt:
+    __slots__ = ("tokens", "cached", "_array", "_keys")
+
+    def __init__(self, tokens: list[int] | None) -> None:
+        self.tokens = tokens
+        self.cached: dict[str, float] = {}  # prompt tokens the instances picked for it held when picked
+        self._array: array | None = None
+        self._keys: dict[int, list[int]] = {}
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens) if self.tokens is not None else 0
+
+    def keys(self, block_size: int) -> list[int]:
+        """Content keys of the prompt's whole blocks; the last token is never a hit (an engine computes it)."""
+        keys = self._keys.get(block_size)
+        if keys is None:
+            if self.tokens is None or block_size < 1:
+                keys = []
+            else:
+                if self._array is None:
+                    self._array = array("I", self.tokens)
+                keys = content_keys(self._array, block_size, (len(self.tokens) - 1) // block_size)
+            self._keys[block_size] = keys
+        return keys
+
+
+class PromptTokenizer:
+    def __init__(self, path: str | Path) -> None:
+        """`path`: the model's (or tokenizer's) folder, as the instances were started with, or a tokenizer.json.
+
+        From a folder the tokenizer is taken as transformers builds it (which may replace tokenizer.json's
+        pre-tokenizer and normalizer by the model family's own), in a child process so that this one never imports
+        transformers or torch; a bare tokenizer.json is used as written.
+        """
+        from tokenizers import Tokenizer
+
+        path = Path(path)
+        if path.is_dir():
+            exported = _export(path)
+            self.tokenizer = Tokenizer.from_str(exported["tokenizer"])
+            template, self.special = exported["chat_template"], exported["special"]
+        else:
+            self.tokenizer = Tokenizer.from_file(str(path))
+            template, self.special = None, {}
+        self.template = _compile(template) if isinstance(template, str) else None
+        self.pieces = PieceEncoder(self.tokenizer)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def prompt(self, body: dict[str, Any]) -> RoutedPrompt:
+        """The body's prompt as token ids (None when they cannot be known here)."""
+        try:
+            tokens = self._tokens(body)
+        except Exception:  # noqa: BLE001 - a template error is the instance's to report; routing goes on
+            return RoutedPrompt(None)
+        return RoutedPrompt(tokens or None)
+
+    def _tokens(self, body: dict[str, Any]) -> list[int] | None:
+        prompt = body.get("prompt")
+        if "messages" in body and prompt is None:
+            text = self.render_chat(body)
+            return None if text is None else self.pieces.encode(text)
+        if isinstance(prompt, str):
+            return self.encode(prompt)
+        return token_ids(prompt)
+
+    def render_chat(self, body: dict[str, Any]) -> str | None:
+        """The chat prompt as the template renders it; with no template (a bare tokenizer.json), the messages'
+        contents joined, which counts a prompt's length closely but names no instance's blocks."""
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return None
+        flat = []
+        for message in messages:
+            if not isinstance(message, dict):
+                return None
+            content = message.get("content")
+            if isinstance(content, list):
+                if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
+                    return None  # media: its placeholder tokens do not say which image
+                message = {**message, "content": "\n".join(str(p.get("text", "")) for p in content)}
+            flat.append({k: v for k, v in message.items() if v is not None})
+        if self.template is None:
+            return "\n".join(str(m.get("content", "")) for m in flat)
+        kwargs = body.get("chat_template_kwargs") if isinstance(body.get("chat_template_kwargs"), dict) else {}
+        return self.template.render(
+            **self.special, **kwargs, messages=flat, tools=body.get("tools"),
+            add_generation_prompt=body.get("add_generation_prompt", True) is not False)
+
+
+def token_ids(prompt: Any) -> list[int] | None:
+    """A prompt given as token ids (one prompt, not a batch), if it is one."""
+    if isinstance(prompt, list) and prompt and all(type(t) is int and 0 <= t <= _MAX_TOKEN_ID for t in prompt):
+        return prompt
+    return None
+
+
+def _compile(template: str) -> Any:
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise ValueError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent, ensure_ascii=False)
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template)
+
+
+_EXPORT = """
+import json, sys
+from transformers import AutoTokenizer
+t = AutoTokenizer.from_pretrained(sys.argv[1])
+template = t.chat_template if isinstance(getattr(t, "chat_template", None), str) else None
+special = {k: v for k, v in t.special_tokens_map.items() if isinstance(v, str)}
+json.dump({"tokenizer": t.backend_tokenizer.to_str(), "chat_template": template, "special": special}, sys.stdout)
+"""
+
+
+def _export(folder: Path) -> dict[str, Any]:
+    """The tokenizer exactly as transformers (which the instances use) builds it, read in a child process."""
+    try:
+        run = subprocess.run([sys.executable, "-c", _EXPORT, str(folder)], capture_output=True, text=True,
+                             timeout=120, check=False)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise ValueError(f"cannot read the tokenizer in {folder}: {exc}") from exc
+    if run.returncode != 0:
+        raise ValueError(f"cannot read the tokenizer in {folder}: {run.stderr.strip().splitlines()[-1:]}")
+    return json.loads(run.stdout)
