@@ -53,6 +53,8 @@ PRELOAD = ("numpy", "torch", "transformers", "transformers.models.auto.tokenizat
            *(f"transformers.models.{name}.configuration_{name}" for name in ("llama", "mistral", "qwen2", "qwen3",
                                                                              "llava")))
 _MESSAGE_BYTES = 1 << 20
+_ANSWER_S = 60.0  # a fork takes milliseconds; this only bounds a wait on a server that is stuck
+_REQUEST_S = 5.0
 
 
 class SpawnRequest(msgspec.Struct, tag="spawn"):
@@ -148,16 +150,26 @@ def fork(server: str, argv: list[str], env: dict[str, str], stderr: int) -> Fork
     refuses (the caller spawns the process itself)."""
     request = SpawnRequest(VERSION, argv[0], argv[3:], env, os.getcwd())
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    read_end, write_end = os.pipe()
     try:
         conn.connect(server)
+    except OSError:  # no server there (any more): spawn
+        conn.close()
+        return None
+    read_end, write_end = os.pipe()
+    conn.settimeout(_ANSWER_S)
+    try:
         socket.send_fds(conn, [msgspec.json.encode(request)], [write_end, stderr])
         os.close(write_end)
         write_end = -1
         answer = _to_client.decode(conn.recv(_MESSAGE_BYTES))
+    except (OSError, msgspec.DecodeError) as exc:  # a fork may be under way: spawning another could start two
+        conn.close()
+        os.close(read_end)
+        raise RuntimeError(f"the fork server at {server} did not answer: {exc!r}") from None
     finally:
         if write_end >= 0:
             os.close(write_end)
+    conn.settimeout(None)
     if isinstance(answer, Started):
         return ForkedChild(conn, answer.pid, argv, os.fdopen(read_end, "rb"))
     conn.close()
@@ -240,7 +252,12 @@ class _Server:
 
     def _accept(self) -> SpawnRequest | None:
         conn, _ = self.listener.accept()
-        data, fds, _, _ = socket.recv_fds(conn, _MESSAGE_BYTES, 2)
+        conn.settimeout(_REQUEST_S)  # a requester sends its request as it connects: never wait on one for long
+        try:
+            data, fds, _, _ = socket.recv_fds(conn, _MESSAGE_BYTES, 2)
+        except OSError:
+            data, fds = b"", []
+        conn.settimeout(None)
         try:
             request = _to_server.decode(data)
         except msgspec.DecodeError:
@@ -260,7 +277,8 @@ class _Server:
             conn.close()
             return None
         child = self.children[pid] = _Child(pid, conn)
-        _send(conn, Started(pid))
+        if not _send(conn, Started(pid)):  # the requester gave up waiting: nobody could ever stop this child
+            os.kill(pid, signal.SIGKILL)
         self.selector.register(conn, selectors.EVENT_READ, child)
         self.selector.register(child.pidfd, selectors.EVENT_READ, child)
         return None
@@ -325,11 +343,13 @@ class _Server:
             self._reap(child)
 
 
-def _send(conn: socket.socket, message: msgspec.Struct) -> None:
+def _send(conn: socket.socket, message: msgspec.Struct) -> bool:
+    """False when the requester is gone."""
     try:
         conn.send(msgspec.json.encode(message))
     except OSError:
-        pass  # the requester is gone
+        return False
+    return True
 
 
 def _close(fileobj: socket.socket | int) -> None:

@@ -19,6 +19,10 @@ still runs one file in one process. Rules that keep a test safe in parallel work
   a generous deadline, never sleep for a fixed time and then assert; never assert on elapsed time or on the
   box's CPU use (a test may measure one process it started).
 * Start every process through a fixture or try/finally that stops it by PID, also when the test fails.
+* Each worker runs a fork server (`_fork_server`, pdserve/forkserver.py): `pdserve.launcher` forks `python -m
+  pdserve` processes from it instead of spawning them, which saves importing torch per start. A forked child
+  behaves as a spawned one (its PID, signals, exit status, session, environment); what it cannot give (another
+  interpreter, directory, or a variable that may be read at import) is spawned. `--no-fork-server` spawns all.
 """
 
 from __future__ import annotations

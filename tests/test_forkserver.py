@@ -4,6 +4,7 @@ would, with the requester's environment, directory and output, and what it canno
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdserve.forkserver import ENV_VAR, VERSION, ForkedChild, SpawnRequest, refusal
+from pdserve.forkserver import ENV_VAR, VERSION, ForkedChild, SpawnRequest, fork, refusal
 from pdserve.launcher import LaunchError, start_command, start_instance
 
 SMALL = ("--num-kv-blocks", "32", "--max-model-len", "128", "--log-level", "info", "--served-model-name", "tiny")
@@ -86,6 +87,16 @@ def test_the_refusal_rule():
         assert named in refusal(SpawnRequest(VERSION, sys.executable, [], changed, os.getcwd()))
     assert "working directory" in refusal(SpawnRequest(VERSION, sys.executable, [], env, "/"))
     assert "interpreter" in refusal(SpawnRequest(VERSION, "/usr/bin/python3", [], env, os.getcwd()))
+
+
+def test_what_is_not_a_spawn_request_is_refused_and_no_server_means_spawn(server, tmp_path: Path):
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
+        conn.settimeout(30)
+        conn.connect(server.ready["socket"])
+        conn.send(b"not json")
+        assert b"refused" in conn.recv(1 << 16)
+    with open(os.devnull, "wb") as sink:
+        assert fork(str(tmp_path / "nobody"), [sys.executable, "-m", "pdserve"], {}, sink.fileno()) is None
 
 
 def test_stopping_the_server_kills_what_it_still_runs(models, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
