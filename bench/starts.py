@@ -21,17 +21,21 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import harness as H  # noqa: E402
 
-from pdserve.forkserver import ENV_VAR  # noqa: E402
+from pdserve.forkserver import ENV_VAR, ForkedChild  # noqa: E402
 from pdserve.launcher import Process, start, start_command, start_instance  # noqa: E402
 from pdserve.modelgen import make_text_model  # noqa: E402
 
 SMALL = ("--num-kv-blocks", "64", "--max-model-len", "256", "--log-level", "warning")
 
 
-def timed(launch) -> tuple[float, float, Process]:
+def timed(launch, forked: bool) -> tuple[float, float, Process]:
     begin = time.monotonic()
     proc = launch()
-    return time.monotonic() - begin, H.cpu_seconds(proc.pid), proc
+    wall, cpu = time.monotonic() - begin, H.cpu_seconds(proc.pid)
+    if isinstance(proc.popen, ForkedChild) != forked:
+        proc.stop()
+        raise SystemExit(f"{proc.name} was {'spawned' if forked else 'forked'}, not as asked")
+    return wall, cpu, proc
 
 
 def one_round(model: Path, socket_path: str, order: list[str]) -> dict[str, dict[str, float]]:
@@ -41,12 +45,12 @@ def one_round(model: Path, socket_path: str, order: list[str]) -> dict[str, dict
             os.environ[ENV_VAR] = socket_path
         else:
             os.environ.pop(ENV_VAR, None)
-        wall, cpu, inst = timed(lambda: start_instance(model, *SMALL, name="inst"))
+        wall, cpu, inst = timed(lambda: start_instance(model, *SMALL, name="inst"), how == "forked")
         try:
             out[f"instance {how}"] = {"wall_s": wall, "cpu_s": cpu}
             gw_args = ["gateway", "--port", "0", "--log-level", "warning", "--both", inst.url,
                        "--protocol", "colocated"]
-            wall, cpu, gw = timed(lambda: start("gateway", gw_args))
+            wall, cpu, gw = timed(lambda: start("gateway", gw_args), how == "forked")
             gw.stop()
             out[f"gateway {how}"] = {"wall_s": wall, "cpu_s": cpu}
         finally:
