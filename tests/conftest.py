@@ -98,8 +98,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 @pytest.fixture(scope="session", autouse=True)
 def _fork_server(request: pytest.FixtureRequest) -> Iterator[None]:
     """This worker's fork server (pdserve/forkserver.py): each `python -m pdserve` the launcher starts is forked
-    from a process that has imported torch, transformers and the web stack already (about 0.6 CPU-s a start
-    instead of 3.5), unless it needs an environment the server cannot give it, which the launcher then spawns."""
+    from a process that has imported torch, transformers and the web stack already (bench/starts.py measures
+    the saving), unless it needs an environment the server cannot give it, which the launcher then spawns."""
     if request.config.getoption("--no-fork-server"):
         yield
         return
