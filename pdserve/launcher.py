@@ -19,6 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdserve.forkserver import ENV_VAR as FORKSERVER_ENV
+from pdserve.forkserver import ForkedChild, fork
+
 
 class LaunchError(RuntimeError):
     pass
@@ -27,7 +30,7 @@ class LaunchError(RuntimeError):
 @dataclass
 class Process:
     name: str
-    popen: subprocess.Popen
+    popen: subprocess.Popen | ForkedChild
     ready: dict[str, Any]
     log_path: Path
     signal_group: bool = False  # signal its whole process group: a wrapper (unshare --fork) forwards no signals
@@ -58,7 +61,7 @@ class Process:
         if self.signal_group:
             os.killpg(self.pid, signum)  # started in its own session: its group id is its PID
         else:
-            os.kill(self.pid, signum)
+            self.popen.send_signal(signum)  # never reaches a recycled PID: it checks the child has not been reaped
 
     def kill(self) -> None:
         """SIGKILL, as a crash would."""
@@ -103,7 +106,7 @@ def start_command(name: str, argv: list[str], timeout: float = 120.0, env: dict[
     log_path = Path(log_name)
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     with log_path.open("wb") as log_file:
-        popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log_file, env=full_env, start_new_session=True)
+        popen = _spawn(argv, full_env, log_file.fileno())
     proc = Process(name, popen, {}, log_path, signal_group)
     try:
         proc.ready = _wait_ready(popen, timeout)
@@ -112,9 +115,20 @@ def start_command(name: str, argv: list[str], timeout: float = 120.0, env: dict[
         proc.stop()
         if not isinstance(exc, Exception):
             raise
-        raise LaunchError(f"{name} did not become ready: {tail}") from None
+        raise LaunchError(f"{name} did not become ready ({exc}): {tail}") from None
     threading.Thread(target=_drain, args=(popen, log_path), daemon=True).start()
     return proc
+
+
+def _spawn(argv: list[str], env: dict[str, str], stderr: int) -> subprocess.Popen | ForkedChild:
+    """`python -m pdserve ...` comes from the fork server named in the environment where there is one and it agrees
+    (tests: it saves importing torch and the web stack per process); anything else is spawned."""
+    server = os.environ.get(FORKSERVER_ENV)
+    if server and argv[:3] == [sys.executable, "-m", "pdserve"]:
+        child = fork(server, argv, env, stderr)
+        if child is not None:
+            return child
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, env=env, start_new_session=True)
 
 
 def _drain(popen: subprocess.Popen, log_path: Path) -> None:

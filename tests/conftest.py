@@ -19,6 +19,10 @@ still runs one file in one process. Rules that keep a test safe in parallel work
   a generous deadline, never sleep for a fixed time and then assert; never assert on elapsed time or on the
   box's CPU use (a test may measure one process it started).
 * Start every process through a fixture or try/finally that stops it by PID, also when the test fails.
+* Each worker runs a fork server (`_fork_server`, pdserve/forkserver.py): `pdserve.launcher` forks `python -m
+  pdserve` processes from it instead of spawning them, which saves importing torch per start. A forked child
+  behaves as a spawned one (its PID, signals, exit status, session, environment); what it cannot give (another
+  interpreter, directory, or a variable that may be read at import) is spawned. `--no-fork-server` spawns all.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import tempfile
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -34,7 +40,8 @@ import pytest
 import torch
 
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.launcher import start_command
+from pdserve.forkserver import ENV_VAR as FORKSERVER_ENV
+from pdserve.launcher import LaunchError, start_command
 from pdserve.llm import LLM
 from pdserve.modelgen import make_text_model
 
@@ -81,6 +88,34 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             return group_of.get(Path(path).name, path)
 
     return FileGroupScheduling(config, log)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--no-fork-server", action="store_true",
+                     help="spawn every pdserve process afresh instead of forking it from a per-worker fork server")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _fork_server(request: pytest.FixtureRequest) -> Iterator[None]:
+    """This worker's fork server (pdserve/forkserver.py): each `python -m pdserve` the launcher starts is forked
+    from a process that has imported torch, transformers and the web stack already (bench/starts.py measures
+    the saving), unless it needs an environment the server cannot give it, which the launcher then spawns."""
+    if request.config.getoption("--no-fork-server"):
+        yield
+        return
+    folder = tempfile.mkdtemp(prefix="pdserve-forks-")
+    try:
+        server = start_command("forkserver", [sys.executable, "-m", "pdserve.forkserver", f"{folder}/socket"])
+    except LaunchError as exc:  # e.g. a kernel without pidfds: every process is spawned, as outside the suite
+        shutil.rmtree(folder, ignore_errors=True)
+        warnings.warn(f"no fork server, pdserve processes are spawned: {exc}", stacklevel=1)
+        yield
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(FORKSERVER_ENV, server.ready["socket"])
+        yield
+    server.stop()
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 # Small enough to keep every engine cheap to build (the default budget zeroes ~0.5 GiB of KV cache).
