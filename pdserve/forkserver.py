@@ -44,12 +44,13 @@ VERSION = 1
 RUN_TIME_VARS = frozenset({"PYTEST_CURRENT_TEST", "VLLM_API_KEY", "KUBECONFIG", "OTEL_BSP_SCHEDULE_DELAY"})
 RUN_TIME_PREFIX = "PDSERVE_"
 # What `pdserve serve` and `pdserve gateway` import, up to what would start a thread (the mooncake engine, which
-# the data planes' registry imports: the child imports that part itself).
+# the data planes' registry imports, and with it the instance's app and serving modules that reach the data planes
+# through migration: the child imports that part itself).
 PRELOAD = ("numpy", "torch", "transformers", "transformers.models.auto.tokenization_auto",
            "transformers.tokenization_utils_fast", "safetensors.torch", "PIL.Image", "fastapi", "uvicorn", "httpx",
            "aiohttp", "prometheus_client", "pdserve.cli", "pdserve.server.launch", "pdserve.membership.sidecar",
            "pdserve.modelgen.cli", "pdserve.engine.llm_engine",
-           "pdserve.server.app", "pdserve.server.serving", "pdserve.gateway.cli", "pdserve.gateway.service",
+           "pdserve.gateway.cli", "pdserve.gateway.service",
            *(f"transformers.models.{name}.configuration_{name}" for name in ("llama", "mistral", "qwen2", "qwen3",
                                                                              "llava")))
 _MESSAGE_BYTES = 1 << 20

@@ -12,13 +12,12 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.output_processor import RequestOutput, sent_text
 from pdserve.engine.request import TokenLogprobs
 from pdserve.ids import ReqId
-from pdserve.kv_transfer.factory import ConnectorBundle
 from pdserve.migration.client import TargetClient
 from pdserve.migration.settings import MigrationSettings
 from pdserve.migration.source import MigrationSource, Tracked
@@ -28,6 +27,9 @@ from pdserve.migration.wire import (MIGRATING, Continue, Logprob, MigrateRequest
 from pdserve.sampling_params import SamplingParams
 from pdserve.telemetry.timeline import TimelineStore
 from pdserve.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # the data planes it names load transfer engines that start threads: imported where used
+    from pdserve.kv_transfer.factory import ConnectorBundle
 
 log = logging.getLogger(__name__)
 MOVED = (MIGRATING, "migrated")  # finish reasons that end a leg with a marker, not the request
