@@ -19,7 +19,8 @@ Measured through public seams: the client's clock (TTFT to the first streamed to
 `vllm:prefix_cache_hits` deltas (hit tokens), the router's process CPU (/proc). The bound for hit tokens is computed
 offline from the same token ids: a router that knew every cache exactly, picking for each request the instance
 with the longest cached prefix (ties to the least used), each cache an LRU of its blocks (prompt and output),
-requests one after another.
+requests one after another in the order they were sent (`routing_reference.py`). It is greedy, not an optimum:
+hash-sticky `prefix_aware` can exceed it.
 
     .venv/bin/python bench/routing.py --quick                                   # smoke run (~3 min)
     .venv/bin/python bench/routing.py --rounds 2 --json bench/out/routing.json   # the table in docs/benchmarks.md
@@ -34,12 +35,10 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import re
 import subprocess
 import sys
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -48,12 +47,12 @@ BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCH), str(BENCH.parent / "tests")]
 import gateway as G  # noqa: E402
 import harness as H  # noqa: E402
+from routing_reference import BS, explain_picks, offline_bound  # noqa: E402
 from peers import wait_healthy  # noqa: E402
 
 PDSERVE_POLICIES = ("round_robin", "least_loaded", "prefix_aware", "kv_aware")
 POLICIES = (*PDSERVE_POLICIES, "vllm-router:cache_aware")
 WORKLOADS = ("shared", "multiturn", "unique")
-BS = 16
 MAX_TOKENS = 8
 MAX_MODEL_LEN = 8192
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa quebec "
@@ -114,39 +113,6 @@ def order(convs: list[list[list[dict]]], seed: int = 11) -> list[int]:
     ids = list(range(len(convs)))
     random.Random(seed).shuffle(ids)
     return ids
-
-
-# ----------------------------------------------------------------------------- the offline bound
-def offline_bound(token_lists: list[list[int]], instances: int, blocks: int, output_tokens: int) -> int:
-    """Hit tokens of a router that knows every cache exactly, on requests in the order they were sent (see the
-    module's docstring); `output_tokens`: what each request adds to its instance's cache after its prompt."""
-    from pdserve.kv_events.index import content_keys
-
-    caches = [OrderedDict() for _ in range(instances)]
-    used = [0] * instances
-    hits_total = 0
-    for n, tokens in enumerate(token_lists):
-        keys = content_keys(tokens, BS)
-        usable = (len(tokens) - 1) // BS
-
-        def hits(cache: OrderedDict) -> int:
-            count = 0
-            for key in keys[:usable]:
-                if key not in cache:
-                    break
-                count += 1
-            return count
-
-        best = max(range(instances), key=lambda i: (hits(caches[i]), -used[i]))
-        hits_total += hits(caches[best]) * BS
-        used[best] += len(tokens)
-        cache = caches[best]
-        for key in keys + [("out", n, j) for j in range((len(tokens) + output_tokens) // BS - len(keys))]:
-            cache[key] = None
-            cache.move_to_end(key)
-            while len(cache) > blocks:
-                cache.popitem(last=False)
-    return hits_total
 
 
 # ----------------------------------------------------------------------------- one run
@@ -268,31 +234,6 @@ def start_router(policy: str, topology: str, insts: dict[str, Any], model: Path,
     if policy == "kv_aware":
         wait_live(gw.url, len(insts))
     return gw.url, gw.pid, gw.stop, gw.log_path if explained else None
-
-
-_PICK = re.compile(r"kv_aware: \d+ prompt tokens to (\S+); (.*)$")
-_CANDIDATE = re.compile(r"(\S+) held (\d+) queued \d+ active \d+ cost")
-
-
-def explain_picks(lines: list[str]) -> dict[str, int]:
-    """kv_aware's picks, from its debug lines: the prompt tokens the index credited the chosen instance with, the
-    picks where the index credited another candidate with more (load outweighed the cache) and the tokens those
-    forwent, and the picks where no candidate was credited with anything."""
-    out = {"picks": 0, "credited": 0, "overridden": 0, "forgone": 0, "cold": 0}
-    for line in lines:
-        match = _PICK.search(line)
-        if match is None:
-            continue
-        held = {url: int(tokens) for url, tokens in _CANDIDATE.findall(match.group(2))}
-        chosen, best = held.get(match.group(1), 0), max(held.values(), default=0)
-        out["picks"] += 1
-        out["credited"] += chosen
-        if best == 0:
-            out["cold"] += 1
-        elif best > chosen:
-            out["overridden"] += 1
-            out["forgone"] += best - chosen
-    return out
 
 
 def wait_live(url: str, count: int, timeout: float = 60) -> None:

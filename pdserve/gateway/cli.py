@@ -84,8 +84,9 @@ def add_gateway_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
 
 def _add_kv_routing_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-events", nargs="+", default=None, metavar="URL=ENDPOINT[,REPLAY]",
-                   help="where an instance publishes KV events, for kv_aware (vLLM started with --kv-events-config; "
-                        "pdserve instances say it themselves), e.g. http://h:8000=tcp://h:5557,tcp://h:5558")
+                   help="where an instance named by these flags publishes KV events, for kv_aware: its membership "
+                        "record's kv_events (vLLM started with --kv-events-config; pdserve instances say it "
+                        "themselves), e.g. http://h:8000=tcp://h:5557,tcp://h:5558")
     p.add_argument("--kv-overlap-weight", type=float, default=None,
                    help="kv_aware: weight of prompt tokens an instance does not hold against the tokens it is busy "
                         "with (default 1; 0 routes by load alone)")
