@@ -99,7 +99,8 @@ def moved(fleet: Fleet, request: dict, to: str | None = None, path: str = "/v1/c
 @pytest.mark.core
 @pytest.mark.parametrize("plane", PLANES)
 def test_moved_stream_equals_unmoved(fleet, spare, plane):
-    request = body(seed=1, return_token_ids=True)
+    # 600 tokens, whatever EOS says: a loaded box must not finish the request before the move reaches it.
+    request = body(seed=1, max_tokens=600, ignore_eos=True, return_token_ids=True)
     expected = unmoved(fleet, request)
     # D1 and D2 read over shm (the first plane that connects); the others read only over theirs, and join once the
     # request runs (on D1 or D2).
