@@ -101,8 +101,11 @@ class _HeaderConnection(_Connection):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         name = name.lower()
-        if self.response is not None and name in self.wanted:
-            self.response.header_values[name] = value
+        r = self.response
+        if r is not None and name in self.wanted:
+            if r.header_values is None:
+                r.header_values = {}
+            r.header_values[name] = value
 
 
 class Response:
@@ -121,10 +124,11 @@ class Response:
         self._waiter: asyncio.Future | None = None  # a reader waiting for the head or for more body
         self._done = False
         self._exc: Exception | None = None
-        self.header_values: dict[bytes, bytes] = {}  # only those its pool reads (`HttpPool.read_headers`)
+        # Only those its pool reads (`HttpPool.read_headers`); None until one came: a proxied answer makes no dict.
+        self.header_values: dict[bytes, bytes] | None = None
 
     def header(self, name: bytes) -> bytes | None:
-        return self.header_values.get(name.lower())
+        return None if self.header_values is None else self.header_values.get(name.lower())
 
     @property
     def reused_connection(self) -> bool:
