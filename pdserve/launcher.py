@@ -82,6 +82,8 @@ class Process:
                 self.popen.wait(10)
         if self.popen.stdout is not None:
             self.popen.stdout.close()
+        if os.environ.get("PDSERVE_KEEP_LOGS"):  # a failed run's logs, kept for whoever reads it afterwards
+            return
         try:
             self.log_path.unlink()
         except OSError:

@@ -8,7 +8,9 @@ import json
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -78,6 +80,20 @@ class Fleet:
         old.stop()
         httpx.post(f"{self.gateway.url}/deregister", json={"url": old.url}, headers=AUTH)
         return self.add_decode(name, self.flags[name])
+
+    @contextmanager
+    def held_back(self, step_delay_s: float = 0.1) -> Iterator[None]:
+        """Decode instances step slowly while a test arranges a move, so the request is still running when the move
+        reaches it however loaded the box (at STEP_DELAY_S a whole-suite run once finished 600 tokens, 13 s, before
+        its test, stalled among other workers, asked for the move); back to STEP_DELAY_S afterwards."""
+        decodes = [name for name in self.procs if name != "P"]
+        for name in decodes:
+            self.faults(name, step_delay_s=step_delay_s)
+        try:
+            yield
+        finally:
+            for name in decodes:
+                self.faults(name)
 
     def faults(self, name: str, **config: float) -> None:
         r = httpx.post(f"{self.procs[name].url}/v1/kv/faults", json={"step_delay_s": STEP_DELAY_S, **config},

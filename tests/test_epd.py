@@ -147,8 +147,11 @@ def epd(request, llava, colocated, tmp_path):
                                     "--ec-transfer-config", ec_config(kind, "ec_consumer", store), name="P")
         procs["D"] = start_instance(llava, *COMMON, "--kv-transfer-config", kv("kv_consumer"),
                                     "--ec-transfer-config", ec_config(kind, "ec_consumer", store), name="D")
+        # Checked at start only: a killed E is found by the requests that reach for it (what the kill test is
+        # about), never by a health check that happens to fall between the kill and the next request.
         procs["G"] = start("gateway", ["gateway", "--encode", procs["E"].url, "--prefill", procs["P"].url,
-                                       "--decode", procs["D"].url, "--port", "0", "--log-level", "warning"])
+                                       "--decode", procs["D"].url, "--port", "0", "--log-level", "warning",
+                                       "--health-check-interval", "600"])
         yield procs, kind, store
     finally:
         for name, proc in procs.items():

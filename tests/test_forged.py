@@ -22,7 +22,7 @@ COMMON = ["--max-model-len", "512", "--num-kv-blocks", "192", "--served-model-na
 
 def kv(role: str, plane: str, **extra) -> str:
     return json.dumps({"kv_connector": "PdConnector", "kv_role": role, "kv_connector_extra_config": {
-        "data_plane": plane, "kv_lease_duration": 3.0, "push_registration_timeout": 10.0, **extra}})
+        "data_plane": plane, "kv_lease_duration": 30.0, "push_registration_timeout": 10.0, **extra}})
 
 
 @pytest.fixture(scope="module", params=data_planes("tcp", "nixl", "mooncake"))

@@ -14,6 +14,7 @@ import pytest
 
 from pdserve.forkserver import ENV_VAR, VERSION, ForkedChild, SpawnRequest, fork, refusal
 from pdserve.launcher import LaunchError, start_command, start_instance
+from server_utils import wait_for
 
 SMALL = ("--num-kv-blocks", "32", "--max-model-len", "128", "--log-level", "info", "--served-model-name", "tiny")
 
@@ -54,7 +55,8 @@ def test_a_forked_instance_serves_with_the_requesters_environment(forking, model
         served = httpx.post(f"{proc.url}/v1/completions", json=body, timeout=60,
                             headers={"Authorization": "Bearer sesame"})
         assert served.status_code == 200, served.text
-        assert "POST /v1/completions" in proc.log_tail(), "the child's log does not reach the requester's file"
+        # The access log line is written once the answer has gone out: a client can read the file before it lands.
+        wait_for(lambda: "POST /v1/completions" in proc.log_tail(), 10, "the child's log to reach the requester's file")
     finally:
         proc.stop()
     assert proc.popen.returncode == 0, "SIGTERM should drain the instance to exit status 0"

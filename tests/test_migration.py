@@ -86,12 +86,13 @@ def moved(fleet: Fleet, request: dict, to: str | None = None, path: str = "/v1/c
           joining: tuple[str, ...] | list[str] = (), **extra) -> tuple[dict, dict, str]:
     """Stream `request`, move it after `after` events (to `to`, else the other decode instance, once the instances
     `joining` joined the gateway): (what the client got, the gateway's answer to the move, where it ran first)."""
-    stream = Stream(fleet, request, path)
-    stream.wait_for_events(after)
-    for url in joining:
-        httpx.post(f"{fleet.gateway.url}/register", json={"url": url, "role": "decode"}, headers=AUTH)
-    source = fleet.serving(stream.request_id)
-    r = fleet.migrate(stream.request_id, to or other(fleet, source), **extra)
+    with fleet.held_back():
+        stream = Stream(fleet, request, path)
+        stream.wait_for_events(after)
+        for url in joining:
+            httpx.post(f"{fleet.gateway.url}/register", json={"url": url, "role": "decode"}, headers=AUTH)
+        source = fleet.serving(stream.request_id)
+        r = fleet.migrate(stream.request_id, to or other(fleet, source), **extra)
     assert r.status_code == 200, r.text
     return stream.result(), r.json()["data"][0], source
 
@@ -99,16 +100,14 @@ def moved(fleet: Fleet, request: dict, to: str | None = None, path: str = "/v1/c
 @pytest.mark.core
 @pytest.mark.parametrize("plane", PLANES)
 def test_moved_stream_equals_unmoved(fleet, spare, plane):
-    # 600 tokens, whatever EOS says: a loaded box must not finish the request before the move reaches it.
-    request = body(seed=1, max_tokens=600, ignore_eos=True, return_token_ids=True)
+    request = body(seed=1, max_tokens=300, return_token_ids=True)
     expected = unmoved(fleet, request)
     # D1 and D2 read over shm (the first plane that connects); the others read only over theirs, and join once the
     # request runs (on D1 or D2).
     target = None if plane == "shm" else plane
     joins = [] if target is None else [fleet[plane].url]
     try:
-        # Moved early (5 chunks of 160 tokens): on a loaded box one chunk may carry many tokens, and a request that
-        # ended before the move reached it would answer 404 instead of testing anything.
+        # Moved early (after 5 chunks): on a loaded box one chunk may carry many tokens.
         got, outcome, source = moved(fleet, request, to=target, joining=joins, after=5)
     finally:
         for url in joins:
@@ -147,12 +146,13 @@ def test_other_modes_equal_unmoved(fleet, mode):
 def test_moves_twice_and_back(fleet):
     request = body(seed=3, max_tokens=240)
     expected = unmoved(fleet, request)
-    stream = Stream(fleet, request)
-    for hop in range(2):
-        stream.wait_for_events(15 + 60 * hop)
-        source = fleet.serving(stream.request_id)
-        r = fleet.migrate(stream.request_id, other(fleet, source))
-        assert r.status_code == 200 and r.json()["data"][0]["outcome"] == "handed_over", r.text
+    with fleet.held_back():
+        stream = Stream(fleet, request)
+        for hop in range(2):
+            stream.wait_for_events(15 + 60 * hop)
+            source = fleet.serving(stream.request_id)
+            r = fleet.migrate(stream.request_id, other(fleet, source))
+            assert r.status_code == 200 and r.json()["data"][0]["outcome"] == "handed_over", r.text
     assert_same(stream.result(), expected)
     fleet.idle()
 
@@ -170,10 +170,11 @@ def test_json_answer_of_a_moved_request_is_whole(fleet):
                                  headers={"X-Request-Id": request_id}, timeout=120)
 
     thread = threading.Thread(target=ask)
-    thread.start()
-    wait_for(lambda: _decoding(fleet, request_id), 60, "the request to decode")
-    source = fleet.serving(request_id)
-    r = fleet.migrate(request_id, other(fleet, source))
+    with fleet.held_back():
+        thread.start()
+        wait_for(lambda: _decoding(fleet, request_id), 60, "the request to decode")
+        source = fleet.serving(request_id)
+        r = fleet.migrate(request_id, other(fleet, source))
     thread.join(120)
     assert r.status_code == 200 and r.json()["data"][0]["outcome"] == "handed_over", r.text
     got = answer["r"].json()
@@ -197,6 +198,15 @@ def _decoding(fleet: Fleet, request_id: str) -> bool:
 
 
 def test_bad_migrate_calls_get_clear_errors(fleet, spare):
+    with fleet.held_back():
+        stream = _refused_moves(fleet)
+    got = stream.result()  # refused moves left it alone
+    assert got["done"] and not got["errors"] and got["usage"]["completion_tokens"] == 300
+    fleet.idle()
+
+
+def _refused_moves(fleet: Fleet) -> Stream:
+    """Every bad move of a running request is refused with a clear error; the request runs on (returned)."""
     stream = Stream(fleet, body(seed=5, max_tokens=300))
     stream.wait_for_events(5)
     source = fleet.serving(stream.request_id)
@@ -220,9 +230,7 @@ def test_bad_migrate_calls_get_clear_errors(fleet, spare):
         assert r.status_code == 409 and "another model or KV layout" in r.json()["error"]["message"], r.text
     finally:
         httpx.post(f"{gw}/deregister", json={"url": fleet["other layout"].url}, headers=AUTH)
-    got = stream.result()  # refused moves left it alone
-    assert got["done"] and not got["errors"] and got["usage"]["completion_tokens"] == 300
-    fleet.idle()
+    return stream
 
 
 def test_forged_migration_messages_are_refused(fleet):

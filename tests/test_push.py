@@ -225,6 +225,12 @@ def test_abort_before_registration_is_answered(cluster):
     assert time.monotonic() - started < 2.5  # freed on P's answer, before D's 3 s registration timeout
 
 
+def _registered_or_ended(url: str, before: dict) -> bool:
+    now = metric_values(url)
+    return now["pdserve:kv_push_expected"] == 1 or any(
+        now[name] > before[name] for name in ("pdserve:kv_push_done_ok_total", "pdserve:kv_push_done_failed_total"))
+
+
 @pytest.mark.core
 def test_abort_during_writes(cluster):
     """D's client leaves while P is still writing: D counts the push failed and releases it, and P frees at once.
@@ -240,9 +246,10 @@ def test_abort_during_writes(cluster):
             # the push completes (caught below as a try that did not race), rather than a wait for what passed.
             wait_for(lambda: p.done() or metric_values(cluster["P"].url)["vllm:num_requests_running"] == 1,
                      what="P to start")
+            # D has registered (the gauge), or its push already ended, the whole window between two polls.
             _post_then_drop(cluster["D"].port, {"prompt": prompt, "max_tokens": 5,
                                                 "kv_transfer_params": push_params(cluster, xfer)},
-                            lambda: wait_for(lambda: metric_values(cluster["D"].url)["pdserve:kv_push_expected"] == 1))
+                            lambda: wait_for(lambda: _registered_or_ended(cluster["D"].url, before), what="D's push"))
             assert p.result(60).status_code == 200
         after = wait_until_idle(cluster["D"].url, timeout=5)
         wait_until_idle(cluster["P"].url, timeout=5)  # P freed on the release (or the finished push), not a deadline

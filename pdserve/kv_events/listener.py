@@ -14,7 +14,8 @@ Per instance, the subscription is a small state machine:
   restarted (or a batch came twice): the instance is cleared and replayed from 0. A replay that does not end in
   time degrades the instance (cleared, retried later). A batch that does not decode clears the instance; a message
   that is not a batch at all (foreign framing) is counted and ignored.
-* a lost connection (the publisher died) drops the instance's entries at once; leaving membership drops them too.
+* a lost connection (the publisher died) drops the instance's entries at once, and the instance is asked for a
+  replay after `retry_s` whether or not ZMQ reports the redial; leaving membership drops them too.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ class _Subscription:
     monitor: zmq.Socket
     dealer: zmq.Socket | None = None
     state: str = "connecting"  # connecting, replaying, live, degraded
+    hole: bool = False  # the running replay skipped some batches: the rest of it is ignored and it is asked again
+    replayed: int = 0  # batches the running replay brought
     next_seq: int | None = None  # the next live batch expected
     held: list[tuple[int, bytes]] = field(default_factory=list)  # live batches received during a replay
     deadline: float = 0.0  # of the running replay, or when a degraded instance tries again
@@ -212,13 +215,17 @@ class Listener:
                 self._degrade(sub, retry=False)
 
     def _degrade(self, sub: _Subscription, retry: bool) -> None:
+        """Drop the instance's entries and score it by load. Either way it is asked again after `retry_s`: after a
+        disconnect ZMQ redials by itself, but the monitor's CONNECTED for that redial is not always seen (a
+        subscriber that stalled past its high-water mark can wait for it indefinitely), so recovery never hangs on
+        one event."""
         self.index.drop(sub.member)
         self._unwatch(sub.dealer)
         sub.dealer = None
         sub.state = "degraded" if retry else "connecting"
         sub.next_seq = None
         sub.held.clear()
-        sub.deadline = time.monotonic() + self.retry_s if retry else 0.0
+        sub.deadline = time.monotonic() + self.retry_s
 
     def _on_deadline(self, sub: _Subscription) -> None:
         if sub.state == "live":  # quiet for a while: ask for anything after the last batch
@@ -227,7 +234,7 @@ class Listener:
             log.warning("the KV events of %s: no replay within %g s; scoring it by load for now", sub.member,
                         self.replay_timeout_s)
             self._degrade(sub, retry=True)
-        elif sub.state == "degraded":
+        elif sub.state in ("degraded", "connecting"):
             self._start_replay(sub, 0, clear=True)
 
     # -- replay ------------------------------------------------------------------------------------------
@@ -249,7 +256,7 @@ class Listener:
         self._watch(sub, dealer, "dealer")
         dealer.send_multipart((b"", start.to_bytes(8, "big")))
         sub.counters.replays += counted
-        sub.state = "replaying"
+        sub.state, sub.hole, sub.replayed = "replaying", False, 0
         sub.deadline = time.monotonic() + self.replay_timeout_s
 
     def _drain_replay(self, sub: _Subscription) -> None:
@@ -259,9 +266,23 @@ class Listener:
                 continue
             seq = int.from_bytes(frames[-2], "big", signed=True)
             if seq == _END_SEQ:
-                self._end_replay(sub)
+                if sub.hole:
+                    self._start_replay(sub, sub.next_seq or 0, clear=sub.next_seq is None)
+                else:
+                    self._end_replay(sub)
                 return
-            if sub.next_seq is None or seq >= sub.next_seq:
+            if sub.hole:
+                continue
+            sub.replayed += 1
+            if sub.next_seq is not None and seq > sub.next_seq:
+                sub.counters.gaps += 1
+                if sub.replayed > 1:  # a hole inside the replay: nothing past it applies; its end asks again
+                    sub.hole = True
+                    continue
+                # The publisher no longer buffers what is missing: start over from what it has.
+                self.index.clear(sub.member)
+                sub.next_seq = None
+            if sub.next_seq is None or seq == sub.next_seq:
                 self._apply(sub, seq, frames[-1])
 
     def _end_replay(self, sub: _Subscription) -> None:
