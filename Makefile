@@ -46,8 +46,12 @@ live: $(STAMP)
 	-cd tests && ../$(PY) -c 'import peers, vllm_live; vllm_live.pdserve_path(); vllm_live.torchvision_shim(); \
 		peers.peer_binary("vllm-router", "vllm-router")'
 
+# A failed test runs once more (docs/decisions.md says why); `R` in the progress line and "rerun" in the summary
+# name every test that needed it, so a flaky test stays visible.
+TEST_RERUNS ?= 1
+
 test: install live
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --reruns $(TEST_RERUNS) --reruns-delay 2
 
 bench: install
 	$(PY) bench/engine.py

@@ -52,6 +52,15 @@ def metric_values(base_url: str) -> dict[str, float]:
     return values
 
 
+def wait_for_gateway_to_know(gateway_url: str, count: int, timeout: float = 30.0) -> None:
+    """Until the gateway has identified `count` instances and finds them all healthy: on a loaded box its first
+    checks at startup can time out, and a request sent meanwhile goes to whichever instance it knows already."""
+    def knows() -> bool:
+        values = metric_values(gateway_url)
+        return values.get("pdserve:gateway_instance_info") == count == values.get("pdserve:gateway_instance_healthy")
+    wait_for(knows, timeout, f"the gateway to know its {count} instances")
+
+
 def wait_until_idle(base_url: str, timeout: float = 10.0) -> dict[str, float]:
     """Wait until the instance holds no KV blocks and runs nothing; fail with the last reading otherwise."""
     deadline = time.monotonic() + timeout

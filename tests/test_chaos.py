@@ -17,7 +17,7 @@ import pytest
 
 from pdserve.launcher import start, start_instance
 from peers import reserved_port
-from server_utils import metric_values, sse_events, wait_for, wait_until_idle
+from server_utils import metric_values, sse_events, wait_for, wait_for_gateway_to_know, wait_until_idle
 
 # A small token budget: a prompt takes several steps, so a kill can land in the middle of a prefill.
 COMMON = ["--max-model-len", "512", "--num-kv-blocks", "192", "--served-model-name", "tiny",
@@ -48,6 +48,7 @@ def cluster(models, prefill: dict[str, dict], decode: dict[str, dict], protocol:
                                        "--decode", *[procs[n].url for n in decode], "--protocol", protocol,
                                        "--policy", "round_robin", "--port", "0", "--log-level", "warning",
                                        *gateway_args])
+        wait_for_gateway_to_know(procs["G"].url, len(prefill) + len(decode))
         yield procs
     finally:
         for proc in procs.values():

@@ -21,8 +21,10 @@ COMMON = ["--max-model-len", "512", "--num-kv-blocks", "192", "--served-model-na
 
 
 def kv(role: str, plane: str, **extra) -> str:
+    # The lease (also how long P waits for a push it never had before denying it) outlasts a forging test on a
+    # loaded box (3 s once expired a held transfer before its owner's read) and stays below D's registration wait.
     return json.dumps({"kv_connector": "PdConnector", "kv_role": role, "kv_connector_extra_config": {
-        "data_plane": plane, "kv_lease_duration": 30.0, "push_registration_timeout": 10.0, **extra}})
+        "data_plane": plane, "kv_lease_duration": 8.0, "push_registration_timeout": 20.0, **extra}})
 
 
 @pytest.fixture(scope="module", params=data_planes("tcp", "nixl", "mooncake"))
