@@ -72,8 +72,7 @@ class PdConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: Any) -> None:
         assert self._scheduler is not None
-        self._scheduler.update_connector_output(set(connector_output.finished_sending or ()),
-                                                set(connector_output.finished_recving or ()))
+        self._scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None

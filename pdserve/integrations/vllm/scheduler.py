@@ -10,6 +10,7 @@ a step.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from pdserve.engine.outputs import KVConnectorOutput
@@ -25,6 +26,7 @@ from pdserve.kv_transfer.pd_connector import PdConnectorScheduler, ProducerIdent
 from pdserve.kv_transfer.peer_policy import PeerPolicy
 
 log = logging.getLogger(__name__)
+_EARLY_KEEP_S = 120.0  # how long a finished-sending report waits for vLLM to hold its request before it is dropped
 
 
 class VllmSchedulerSide:
@@ -38,6 +40,7 @@ class VllmSchedulerSide:
         self.half: KVConnectorScheduler = chain_scheduler(self.pd, store) if store is not None else self.pd
         self._views: dict[str, RequestView] = {}
         self._held: set[str] = set()  # P: finished requests whose blocks wait for D's read or push, or a release
+        self._early: dict[str, float] = {}  # finished sending before vLLM held them: id -> when reported
         self._schedule = PushSchedule()
         self._asks = DecodeFirstAsks(PeerPolicy.from_config(settings.extra.get("allowed_peers")), settings.max_blocks)
         self._abandoned: dict[str, RequestView] = {}  # D: ended while P was asked; P's answer must be freed
@@ -104,9 +107,25 @@ class VllmSchedulerSide:
             if view is not None and self._answered(view) and view.kv_transfer_params is not None:
                 self.half.request_finished(view, [])
 
-    def update_connector_output(self, finished_sending: set[str], finished_recving: set[str]) -> None:
-        self._held.difference_update(finished_sending)
-        self.half.update_connector_output(KVConnectorOutput(finished_recving={ReqId(r) for r in finished_recving}))
+    def update_connector_output(self, output: Any) -> None:
+        """vLLM frees the blocks of each id in `output.finished_sending` right after this, asserting it still holds
+        that request: an id it does not hold (reported twice, or before vLLM was asked to hold it) would kill the
+        engine core. So vLLM sees only the ids it holds; one reported early is passed on once it is held."""
+        sending = set(output.finished_sending or ())
+        now = time.monotonic()
+        self._early = {rid: at for rid, at in self._early.items() if now - at < _EARLY_KEEP_S}
+        stray = sending - self._held
+        if stray:
+            log.warning("PdConnector: sending reported finished for %d request(s) vLLM does not hold (%s); kept "
+                        "back from vLLM", len(stray), ", ".join(sorted(stray)[:3]))
+            self._early.update(dict.fromkeys(stray, now))
+        ready = self._held & ({*sending, *self._early})
+        for rid in ready:
+            self._early.pop(rid, None)
+        self._held.difference_update(ready)
+        output.finished_sending = ready
+        recving = set(output.finished_recving or ())
+        self.half.update_connector_output(KVConnectorOutput(finished_recving={ReqId(r) for r in recving}))
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         view = self._views.pop(request.request_id, None) or RequestView(request, None)
