@@ -217,8 +217,8 @@ class Listener:
     def _degrade(self, sub: _Subscription, retry: bool) -> None:
         """Drop the instance's entries and score it by load. Either way it is asked again after `retry_s`: after a
         disconnect ZMQ redials by itself, but the monitor's CONNECTED for that redial is not always seen (a
-        subscriber that stalled past its high-water mark can wait for it indefinitely), so recovery never hangs on
-        one event."""
+        subscriber that stalled past its high-water mark was seen waiting for it over 60 s), so recovery never
+        hangs on one event."""
         self.index.drop(sub.member)
         self._unwatch(sub.dealer)
         sub.dealer = None
