@@ -197,6 +197,13 @@ def random_prompt(length: int, seed: int, vocab: int = 4096) -> list[int]:
     return torch.randint(0, vocab, (length,), generator=generator).tolist()
 
 
+@pytest.fixture
+def attempt(request) -> int:
+    """Which run of this test this is: 0, then 1 on its rerun. A rerun against module-scoped servers draws prompts
+    of its own (seed + 1000 * attempt), since the first run's prompts already sit in those servers' caches."""
+    return getattr(request.node, "execution_count", 1) - 1
+
+
 @pytest.fixture(scope="session")
 def hf_models() -> Callable[[Path, torch.dtype], torch.nn.Module]:
     """Hugging Face reference models, loaded once per (folder, dtype)."""

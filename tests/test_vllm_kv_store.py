@@ -76,7 +76,13 @@ def counter(url: str, name: str) -> float:
 
 
 def stored(url: str, at_least: float) -> None:
-    wait_for(lambda: counter(url, "blocks_written") >= at_least, timeout=30, what=f"{at_least} blocks stored")
+    """Wait for the instance's writes; a timeout names what its tier saw (a dropped write is a store it found down,
+    or slow)."""
+    try:
+        wait_for(lambda: counter(url, "blocks_written") >= at_least, timeout=30, what=f"{at_least} blocks stored")
+    except AssertionError as exc:
+        seen = {name: counter(url, name) for name in ("blocks_written", "writes_dropped", "write_refused", "errors")}
+        raise AssertionError(f"{exc}; the store tier counted {seen}") from None
 
 
 def assert_idle(shared: dict) -> None:
@@ -84,8 +90,8 @@ def assert_idle(shared: dict) -> None:
     wait_until_idle(shared["S"], timeout=20)
 
 
-def test_vllm_loads_what_pdserve_stored(shared):
-    prompt = random_prompt(100, 300)  # three full blocks of 32, and 4 tokens
+def test_vllm_loads_what_pdserve_stored(shared, attempt):
+    prompt = random_prompt(100, 300 + 1000 * attempt)  # three full blocks of 32, and 4 tokens
     written = counter(shared["S"], "blocks_written")
     complete(shared["S"], prompt)
     stored(shared["S"], written + 3)
@@ -96,8 +102,8 @@ def test_vllm_loads_what_pdserve_stored(shared):
     assert_idle(shared)
 
 
-def test_pdserve_loads_what_vllm_stored(shared):
-    prompt = random_prompt(100, 301)
+def test_pdserve_loads_what_vllm_stored(shared, attempt):
+    prompt = random_prompt(100, 301 + 1000 * attempt)
     written = counter(shared["V"], "blocks_written")
     expected = complete(shared["V"], prompt, **ORACLE)  # salted: its blocks are stored under other keys
     got_vllm = complete(shared["V"], prompt)
@@ -111,8 +117,8 @@ def test_pdserve_loads_what_vllm_stored(shared):
     assert_idle(shared)
 
 
-def test_vllm_uses_the_blocks_before_a_damaged_one_and_recomputes_the_rest(shared):
-    prompt = random_prompt(100, 302)
+def test_vllm_uses_the_blocks_before_a_damaged_one_and_recomputes_the_rest(shared, attempt):
+    prompt = random_prompt(100, 302 + 1000 * attempt)
     written = counter(shared["S"], "blocks_written")
     complete(shared["S"], prompt)
     stored(shared["S"], written + 3)
@@ -129,4 +135,24 @@ def test_vllm_uses_the_blocks_before_a_damaged_one_and_recomputes_the_rest(share
     wait_for(lambda: (counter(shared["V"], "hit_blocks") - hits, counter(shared["V"], "refused_checksum") - refused)
              == (1, 1), what="vLLM's connector to count one block used and one refused")
     client.close()
+    assert_idle(shared)
+
+
+
+
+def test_a_write_that_ends_after_the_last_step_reaches_metrics(shared, attempt):
+    # One token: the prefill step is the request's last. With the store's writes paused (reads go on), its
+    # blocks' write ends a second and a half after that step, on an idle vLLM. vLLM's worker counters reach
+    # /metrics only with a step, so vLLM must go on stepping until the write has ended or /metrics never shows it.
+    prompt = random_prompt(200, 303 + 1000 * attempt)  # six full blocks of 32, and 8 tokens
+    complete(shared["V"], prompt[:8], max_tokens=1)  # warm (under a block: nothing to write)
+    written = counter(shared["V"], "blocks_written")
+    client = redis.Redis.from_url(shared["redis"].url)
+    try:
+        assert client.execute_command("CLIENT", "PAUSE", "1500", "WRITE")
+        complete(shared["V"], prompt, max_tokens=1)
+        assert counter(shared["V"], "blocks_written") == written  # still paused: the write has not ended
+    finally:
+        client.close()
+    stored(shared["V"], written + 6)
     assert_idle(shared)

@@ -4,7 +4,7 @@ What vLLM's scheduler lacks is bridged here and only here: request views (vLLM's
 names), the step's schedule in pdserve's shape (push plans its writes from it), decode-first's ask of P while
 vLLM keeps the request waiting, refusing a transfer by computing the prompt locally (vLLM cannot end a request
 from a connector), and keeping vLLM's engine stepping while P holds KV, since held blocks go back to vLLM only at
-a step.
+a step, and while the store tier's writes are in flight, since their counts reach /metrics only with a step.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pdserve.integrations.vllm.decode_first import DecodeFirstAsks
 from pdserve.integrations.vllm.requests import RequestView, parse_vllm_params
 from pdserve.integrations.vllm.schedule import PushSchedule
 from pdserve.integrations.vllm.settings import Settings, store_tier
+from pdserve.kv_store.chain import ChainMetadata
 from pdserve.kv_store.factory import chain_scheduler
 from pdserve.kv_transfer.base import KVConnectorMetadata, KVConnectorScheduler
 from pdserve.kv_transfer.params import DecodeFirst, RemoteDecode
@@ -27,6 +28,33 @@ from pdserve.kv_transfer.peer_policy import PeerPolicy
 
 log = logging.getLogger(__name__)
 _EARLY_KEEP_S = 120.0  # how long a finished-sending report waits for vLLM to hold its request before it is dropped
+_WRITE_WAIT_S = 30.0  # how long vLLM keeps stepping for store writes the worker has not reported ended
+# The worker's counters whose sum is every store write it ended (taken, refused or dropped).
+_WRITES_ENDED = ("pdserve:kv_store_blocks_written", "pdserve:kv_store_write_refused", "pdserve:kv_store_writes_dropped")
+
+
+class StoreWritesInFlight:
+    """Store writes planned here against those the worker's stats say ended. An idle vLLM steps no more, and
+    the worker's counters ride on steps: without this, a write that ends after the request's last step would
+    show on /metrics only once another request runs."""
+
+    def __init__(self) -> None:
+        self.planned = 0
+        self.ended = 0
+        self.last_planned_at = 0.0
+
+    def plan(self, meta: KVConnectorMetadata) -> None:
+        if isinstance(meta, ChainMetadata) and meta.store.writes:
+            self.planned += len(meta.store.writes)
+            self.last_planned_at = time.monotonic()
+
+    def observe(self, output: Any) -> None:
+        data = getattr(getattr(output, "kv_connector_stats", None), "data", None)
+        if data and all(name in data for name in _WRITES_ENDED):
+            self.ended = int(sum(data[name] for name in _WRITES_ENDED))
+
+    def pending(self) -> bool:
+        return self.planned > self.ended and time.monotonic() - self.last_planned_at < _WRITE_WAIT_S
 
 
 class VllmSchedulerSide:
@@ -44,6 +72,7 @@ class VllmSchedulerSide:
         self._schedule = PushSchedule()
         self._asks = DecodeFirstAsks(PeerPolicy.from_config(settings.extra.get("allowed_peers")), settings.max_blocks)
         self._abandoned: dict[str, RequestView] = {}  # D: ended while P was asked; P's answer must be freed
+        self._writes = StoreWritesInFlight()
 
     def on_new_request(self, request: Any) -> None:
         params = parse_vllm_params(request.kv_transfer_params, self.settings.max_blocks)
@@ -87,7 +116,9 @@ class VllmSchedulerSide:
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         self._free_abandoned()
-        return self.half.build_connector_meta(self._schedule.scheduler_output(scheduler_output, self._step_tokens))
+        meta = self.half.build_connector_meta(self._schedule.scheduler_output(scheduler_output, self._step_tokens))
+        self._writes.plan(meta)
+        return meta
 
     def _step_tokens(self, request_id: str) -> list[int] | None:
         """The tokens whose chunks the half plans from: a pushing request's prompt, every request's tokens when
@@ -111,6 +142,7 @@ class VllmSchedulerSide:
         """vLLM frees the blocks of each id in `output.finished_sending` right after this, asserting it still holds
         that request: an id it does not hold (reported twice, or before vLLM was asked to hold it) would kill the
         engine core. So vLLM sees only the ids it holds; one reported early is passed on once it is held."""
+        self._writes.observe(output)
         sending = set(output.finished_sending or ())
         now = time.monotonic()
         self._early = {rid: at for rid, at in self._early.items() if now - at < _EARLY_KEEP_S}
@@ -139,7 +171,7 @@ class VllmSchedulerSide:
         return delay, (params.to_wire() if params is not None else None)
 
     def has_pending_work(self) -> bool:
-        return bool(self._held or self._abandoned) or self.half.has_pending_work()
+        return bool(self._held or self._abandoned) or self.half.has_pending_work() or self._writes.pending()
 
     def shutdown(self) -> None:
         self._asks.close()
