@@ -46,8 +46,10 @@ TARGETS = {"ttft": 0.9, "tokens_per_s": 1.1}  # pdserve / vLLM: TTFT <=, concurr
 NAME = "tiny"
 
 
-def start_engines(model: Path, dtype: str, args: argparse.Namespace, cleanup: H.Cleanup) -> dict[str, str]:
-    """Both P instances for one dtype, startups overlapping: engine -> base URL."""
+def start_engines(model: Path, dtype: str, args: argparse.Namespace, cleanup: H.Cleanup
+                  ) -> tuple[dict[str, str], dict[str, list[int]]]:
+    """Both P instances for one dtype, startups overlapping: engine -> base URL, and engine -> its PIDs (vLLM's
+    engine core below its API server)."""
     from peers import reserved_port
     from vllm_live import ready, start_vllm
 
@@ -70,7 +72,7 @@ def start_engines(model: Path, dtype: str, args: argparse.Namespace, cleanup: H.
     from vllm_pd import demote_idle_spinners
 
     print(f"  vLLM: SCHED_IDLE for its idle busy-polling threads: {demote_idle_spinners([vllm])}", flush=True)
-    return {"pdserve": pd.url, "vLLM": vllm.url}
+    return {"pdserve": pd.url, "vLLM": vllm.url}, {"pdserve": H.descendants(pd.pid), "vLLM": H.descendants(vllm.pid)}
 
 
 def prefill_leg(client: Any, url: str, engine: str, prompt: list[int]) -> float:
@@ -126,10 +128,14 @@ def concurrent(url: str, engine: str, prompts: list[list[int]]) -> dict[str, Any
 
 
 def run_dtype(model: Path, dtype: str, args: argparse.Namespace, cleanup: H.Cleanup) -> dict[str, Any]:
-    urls = start_engines(model, dtype, args, cleanup)
+    urls, pids = start_engines(model, dtype, args, cleanup)
     rng = random.Random(f"prefill-role-{dtype}")
     prompt = lambda n: [rng.randrange(VOCAB_IDS) for _ in range(n)]  # noqa: E731 - fresh ids every call
     meter = H.CpuMeter()
+    meter.pids = [pid for engine in ENGINES for pid in pids[engine]]  # the engines are not "others"
+    # Each engine is measured with the other stopped: vLLM's idle engine core spins a core, which on two cores
+    # slows the other engine's prefill 1.5-2.5x even under SCHED_IDLE.
+    alone = lambda engine: H.paused([p for e in ENGINES if e != engine for p in pids[e]])  # noqa: E731
     ttft: dict[tuple[str, int], list[float]] = {}
     rate: dict[str, list[dict[str, Any]]] = {e: [] for e in ENGINES}
     with H.http_client(600) as client:
@@ -140,17 +146,19 @@ def run_dtype(model: Path, dtype: str, args: argparse.Namespace, cleanup: H.Clea
         for rnd, order in H.rotations(ENGINES, args.reps):
             for n in args.lengths:
                 for engine in order:
-                    meter.wait_for_quiet(args.wait_idle)
-                    ttft.setdefault((engine, n), []).append(prefill_leg(client, urls[engine], engine, prompt(n)))
+                    with alone(engine):
+                        meter.wait_for_quiet(args.wait_idle)
+                        ttft.setdefault((engine, n), []).append(prefill_leg(client, urls[engine], engine, prompt(n)))
             print(f"  {dtype} round {rnd}: " + "  ".join(f"{e}@{n} {v[-1] * 1e3:.0f} ms" for (e, n), v in ttft.items())
                   + f"  load {H.loadavg()}", flush=True)
         for rnd, order in H.rotations(ENGINES, args.concurrent_reps):
             for engine in order:
                 wait_unheld(client, urls[engine], 10 * args.hold_s + 30)
-                meter.wait_for_quiet(args.wait_idle)
-                meter.mark()
-                r = concurrent(urls[engine], engine, [prompt(args.concurrent_len) for _ in range(args.concurrent)])
-                rate[engine].append({**r, **meter.since_mark()})
+                with alone(engine):
+                    meter.wait_for_quiet(args.wait_idle)
+                    meter.mark()
+                    r = concurrent(urls[engine], engine, [prompt(args.concurrent_len) for _ in range(args.concurrent)])
+                    rate[engine].append({**r, **meter.since_mark()})
                 print(f"  {dtype} concurrent round {rnd} {engine}: {r['tokens_per_s']:.0f} tok/s (wall "
                       f"{r['wall_s']:.2f} s, others {rate[engine][-1]['others']:.2f} cores)", flush=True)
     return summarize(dtype, ttft, rate, args)

@@ -97,3 +97,23 @@ def test_a_registration_arriving_after_the_step_is_caught_up_whole():
     producer.start_step()
     producer.end_step()
     assert link.settled() == [("write", (0, 1), (10, 11), None), ("done", True)]
+
+
+def test_a_request_ended_without_a_hand_off_is_forgotten_not_reported():
+    """The engine freed such a request's blocks when it ended (it held nothing for the push): reporting its
+    sending finished would name a request the engine no longer has (vLLM's scheduler asserts on that). D's
+    registration, if one came, is answered with a failed write-done."""
+    for registered in (False, True):
+        link = RecordingLink()
+        producer = PushProducer(link, TransferMap(), BLOCK, LAYERS, unregistered_timeout_s=30)
+        producer.bind([PushChunk(RID, XFER, (0, 1), 0, 32, last=True)], [])
+        producer.start_step()
+        if registered:
+            link.arrived.append(registration())
+        producer.end_step()
+        producer.bind([], [PushEnded(RID, XFER, (0, 1), 32, handed_off=False)])
+        producer.start_step()
+        producer.end_step()
+        assert [e for e in link.settled() if e[0] == "done"] == ([("done", False)] if registered else [])
+        assert producer.finished_requests() == set()
+        assert XFER not in producer.sources

@@ -176,7 +176,9 @@ class PushProducer:
         self._step = []
 
     def finished_requests(self) -> set[ReqId]:
-        """Finished push requests whose blocks P may free now: written, released, failed or expired."""
+        """Finished push requests whose blocks P may free now: written, released, failed or expired. A request
+        that ended without handing its KV off is forgotten but not reported: the engine never held its blocks
+        for the push, and vLLM's scheduler asserts it holds every request reported to it."""
         out: set[ReqId] = set()
         now = time.monotonic()
         for transfer_id, source in list(self.sources.items()):
@@ -188,7 +190,8 @@ class PushProducer:
                     self.expired += 1
                     log.warning("push transfer %s: no decode instance registered in %.0f s; freed", transfer_id,
                                 self.unregistered_timeout_s)
-                out.add(source.request_id)
+                if source.handed_off:
+                    out.add(source.request_id)
                 del self.sources[transfer_id]
                 self.translator.remove_request(source.request_id)
                 self._remember_ended(transfer_id)
