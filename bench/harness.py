@@ -23,7 +23,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -125,27 +124,6 @@ def cpu_seconds(pid: int, tid: int | None = None) -> float:
         return (int(f[11]) + int(f[12])) / CLK_TCK
     except (OSError, IndexError, ValueError):
         return 0.0
-
-
-@contextmanager
-def paused(pids: Sequence[int]) -> Iterator[None]:
-    """Stop these processes (SIGSTOP) for the block, then continue them: an idle engine that busy-polls (vLLM's
-    engine core spins a core while idle) would otherwise share the box with the engine being measured."""
-    stopped = []
-    try:
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGSTOP)
-                stopped.append(pid)
-            except ProcessLookupError:
-                pass
-        yield
-    finally:
-        for pid in stopped:
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
 
 
 def descendants(root: int) -> list[int]:

@@ -205,7 +205,7 @@ def drain_run(fleet: Fleet, client: Any, gen: random.Random, args: argparse.Name
 
 def bystander_run(fleet: Fleet, client: Any, gen: random.Random, args: argparse.Namespace) -> dict[str, Any]:
     """Bystanders' mean inter-token time while a request moves from D1 to D2, and in as long a stretch before."""
-    bystanders = {name: [Streamer(f"{fleet.url(name)}/v1/completions", body(prompt_of(gen, 100), 4000))
+    bystanders = {name: [Streamer(f"{fleet.url(name)}/v1/completions", body(prompt_of(gen, 100), min(4000, args.max_model_len - 101)))
                          for _ in range(args.bystanders)] for name in ("D1", "D2")}
     fleet.only(client, "D1")
     moving = Streamer(f"{fleet.gw}/v1/completions", body(prompt_of(gen, min(2000, args.max_model_len - 300)), 200))
@@ -217,7 +217,9 @@ def bystander_run(fleet: Fleet, client: Any, gen: random.Random, args: argparse.
     t1 = time.monotonic()
     moving.join(600)
     outcome = r.json()["data"][0]["outcome"] if r.status_code == 200 else f"status {r.status_code}: {r.text[:200]}"
-    out: dict[str, Any] = {"move_ms": (t1 - t0) * 1e3, "outcome": outcome}
+    out: dict[str, Any] = {"move_ms": (t1 - t0) * 1e3, "outcome": outcome,
+                           "bystander_errors": [s.error for ss in bystanders.values() for s in ss if s.error],
+                           "bystander_tokens": [len(s.times) for ss in bystanders.values() for s in ss]}
     for name, streams in bystanders.items():
         during = _mean_gap(streams, t0, t1)
         before = _mean_gap(streams, t0 - max(t1 - t0, 0.3), t0)
@@ -255,7 +257,9 @@ def run(args: argparse.Namespace, servers: H.Servers, model: Path, meter: H.CpuM
     bystanders = [bystander_run(fleet, client, gen, args)
                   for _ in range(args.bystander_rounds if "bystanders" in args.parts else 0)]
     for b in bystanders:
-        print(f"  bystanders: move {b['move_ms']:.0f} ms ({b['outcome']}); D1 {b['D1']['ratio']:.2f}x, D2 {b['D2']['ratio']:.2f}x", flush=True)
+        print(f"  bystanders: move {b['move_ms']:.0f} ms ({b['outcome']}); D1 {b['D1']['ratio']:.2f}x, D2 {b['D2']['ratio']:.2f}x"
+              f" (tokens {b['bystander_tokens']}{', errors ' + str(b['bystander_errors'][:2]) if b['bystander_errors'] else ''})",
+              flush=True)
     return {"stops": stops, "rows": rows(stops, args), "drains": drains, "bystanders": bystanders}
 
 

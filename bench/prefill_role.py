@@ -28,10 +28,13 @@ import argparse
 import json
 import os
 import random
+import signal
 import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +47,27 @@ ENGINES = ("pdserve", "vLLM")
 VOCAB_IDS = 4096  # the llama120m preset's ordinary tokens, as bench/engine.py's prompts
 TARGETS = {"ttft": 0.9, "tokens_per_s": 1.1}  # pdserve / vLLM: TTFT <=, concurrent prefill tokens/s >=
 NAME = "tiny"
+
+
+@contextmanager
+def paused(pids: Sequence[int]) -> Iterator[None]:
+    """Stop these processes (SIGSTOP) for the block, then continue them: an idle engine that busy-polls (vLLM's
+    engine core spins a core while idle) would otherwise share the box with the engine being measured."""
+    stopped = []
+    try:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
+            except ProcessLookupError:
+                pass
+        yield
+    finally:
+        for pid in stopped:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
 
 
 def start_engines(model: Path, dtype: str, args: argparse.Namespace, cleanup: H.Cleanup
@@ -135,7 +159,7 @@ def run_dtype(model: Path, dtype: str, args: argparse.Namespace, cleanup: H.Clea
     meter.pids = [pid for engine in ENGINES for pid in pids[engine]]  # the engines are not "others"
     # Each engine is measured with the other stopped: vLLM's idle engine core spins a core, which on two cores
     # slows the other engine's prefill 1.5-2.5x even under SCHED_IDLE.
-    alone = lambda engine: H.paused([p for e in ENGINES if e != engine for p in pids[e]])  # noqa: E731
+    alone = lambda engine: paused([p for e in ENGINES if e != engine for p in pids[e]])  # noqa: E731
     ttft: dict[tuple[str, int], list[float]] = {}
     rate: dict[str, list[dict[str, Any]]] = {e: [] for e in ENGINES}
     with H.http_client(600) as client:
