@@ -205,7 +205,8 @@ def drain_run(fleet: Fleet, client: Any, gen: random.Random, args: argparse.Name
 
 def bystander_run(fleet: Fleet, client: Any, gen: random.Random, args: argparse.Namespace) -> dict[str, Any]:
     """Bystanders' mean inter-token time while a request moves from D1 to D2, and in as long a stretch before."""
-    bystanders = {name: [Streamer(f"{fleet.url(name)}/v1/completions", body(prompt_of(gen, 100), min(4000, args.max_model_len - 101)))
+    long_enough = min(4000, args.max_model_len - 101)  # past the move, within the context
+    bystanders = {name: [Streamer(f"{fleet.url(name)}/v1/completions", body(prompt_of(gen, 100), long_enough))
                          for _ in range(args.bystanders)] for name in ("D1", "D2")}
     fleet.only(client, "D1")
     moving = Streamer(f"{fleet.gw}/v1/completions", body(prompt_of(gen, min(2000, args.max_model_len - 300)), 200))

@@ -12,6 +12,7 @@ the store requires inside vLLM); and both instances end idle.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -138,8 +139,6 @@ def test_vllm_uses_the_blocks_before_a_damaged_one_and_recomputes_the_rest(share
     assert_idle(shared)
 
 
-
-
 def test_a_write_that_ends_after_the_last_step_reaches_metrics(shared, attempt):
     # One token: the prefill step is the request's last. With the store's writes paused (reads go on), its
     # blocks' write ends a second and a half after that step, on an idle vLLM. vLLM's worker counters reach
@@ -150,8 +149,10 @@ def test_a_write_that_ends_after_the_last_step_reaches_metrics(shared, attempt):
     client = redis.Redis.from_url(shared["redis"].url)
     try:
         assert client.execute_command("CLIENT", "PAUSE", "1500", "WRITE")
+        sent = time.monotonic()
         complete(shared["V"], prompt, max_tokens=1)
-        assert counter(shared["V"], "blocks_written") == written  # still paused: the write has not ended
+        if time.monotonic() - sent < 1.0:  # (a loaded box may answer after the pause: then nothing to see here)
+            assert counter(shared["V"], "blocks_written") == written  # still paused: the write has not ended
     finally:
         client.close()
     stored(shared["V"], written + 6)
