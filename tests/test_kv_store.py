@@ -146,10 +146,10 @@ def raw_client(engine: LLMEngine):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_an_instance_loads_what_another_stored_and_answers_as_recompute(engines, stores, oracle, backend):
+def test_an_instance_loads_what_another_stored_and_answers_as_recompute(engines, stores, oracle, backend, attempt):
     url = stores[backend].url
     writer, reader = engines(url), engines(url)
-    prompt = random_prompt(100, 1 + len(backend))  # six full blocks and 4 tokens
+    prompt = random_prompt(100, 1 + len(backend) + 1000 * attempt)  # six full blocks and 4 tokens
     first = generate(writer, [prompt])
     flushed(writer)
     assert store_of(writer).stats.blocks_written >= 6
@@ -162,26 +162,26 @@ def test_an_instance_loads_what_another_stored_and_answers_as_recompute(engines,
     assert reader.stats().prompt_tokens_computed == 4
 
 
-def test_the_local_cache_first_then_the_store_then_the_rest(engines, stores, oracle):
+def test_the_local_cache_first_then_the_store_then_the_rest(engines, stores, oracle, attempt):
     url = stores["redis"].url
     writer, reader = engines(url), engines(url)
-    prompt = random_prompt(150, 11)  # nine full blocks and 6 tokens
+    prompt = random_prompt(150, 11 + 1000 * attempt)  # nine full blocks and 6 tokens
     generate(writer, [prompt])
     flushed(writer)
     generate(reader, [prompt[:50]])  # three of its blocks in the reader's own cache
     before = store_of(reader).stats.hit_blocks
-    got = generate(reader, [prompt + random_prompt(20, 12)])  # and a tail nobody computed
-    assert_recomputed_alike(got, generate(oracle, [prompt + random_prompt(20, 12)]))
+    got = generate(reader, [prompt + random_prompt(20, 12 + 1000 * attempt)])  # and a tail nobody computed
+    assert_recomputed_alike(got, generate(oracle, [prompt + random_prompt(20, 12 + 1000 * attempt)]))
     assert store_of(reader).stats.hit_blocks - before == 6  # blocks 3..8: after the local hit, before the tail
 
 
-def test_a_conversation_next_turn_loads_the_answer_blocks_too(engines, stores, oracle):
+def test_a_conversation_next_turn_loads_the_answer_blocks_too(engines, stores, oracle, attempt):
     url = stores["redis"].url
     writer, reader = engines(url), engines(url)
-    question = random_prompt(40, 21)
+    question = random_prompt(40, 21 + 1000 * attempt)
     (answer, _, _), = generate(writer, [question], max_tokens=40)
     flushed(writer)
-    turn = question + answer + random_prompt(10, 22)  # the history, with the answer as generated
+    turn = question + answer + random_prompt(10, 22 + 1000 * attempt)  # the history, with the answer as generated
     got = generate(reader, [turn])
     assert_recomputed_alike(got, generate(oracle, [turn]))
     # 79 computed tokens (the last sampled token has no KV yet): four full blocks, two of them the answer's.
@@ -198,10 +198,11 @@ def damage(value: bytes, how: str, other: bytes) -> bytes:
 
 @pytest.mark.parametrize("how,reason", [("corrupt", "checksum"), ("truncate", "truncated"), ("swap", "tokens")])
 def test_a_bad_value_is_refused_the_blocks_before_it_used_and_the_rest_recomputed(engines, stores, oracle, how,
-                                                                                  reason):
+                                                                                  reason, attempt):
     url = stores["redis"].url
     writer, reader = engines(url), engines(url)
-    prompt, other = random_prompt(100, 30 + len(how)), random_prompt(100, 40 + len(how))
+    seed = len(how) + 1000 * attempt
+    prompt, other = random_prompt(100, 30 + seed), random_prompt(100, 40 + seed)
     generate(writer, [prompt, other])
     flushed(writer)
     keys, backend = keys_of(reader, prompt), raw_client(reader)
@@ -219,11 +220,11 @@ def test_a_bad_value_is_refused_the_blocks_before_it_used_and_the_rest_recompute
              and backend.exists([bad]) == [True], timeout=10, what="the recomputed block to be stored")
 
 
-def test_an_entry_expired_between_lookup_and_read_is_recomputed(engines, stores, oracle):
+def test_an_entry_expired_between_lookup_and_read_is_recomputed(engines, stores, oracle, attempt):
     """Redis expires the entry itself after the reader's lookup found it: the load finds it gone."""
     url = stores["redis"].url
     writer, reader = engines(url), engines(url)
-    prompt = random_prompt(100, 50)
+    prompt = random_prompt(100, 50 + 1000 * attempt)
     generate(writer, [prompt])
     flushed(writer)
     (rid,) = add(reader, [prompt])
@@ -239,11 +240,11 @@ def test_an_entry_expired_between_lookup_and_read_is_recomputed(engines, stores,
     assert stats.refused["missing"] == 1 and stats.hit_blocks == 2
 
 
-def test_an_entry_past_the_readers_ttl_is_recomputed_on_mooncake(engines, stores, oracle):
+def test_an_entry_past_the_readers_ttl_is_recomputed_on_mooncake(engines, stores, oracle, attempt):
     """Mooncake objects do not expire; the tier's TTL is the stored header's, checked when the value is read."""
     url = stores["mooncake"].url
     writer, reader = engines(url), engines(url, ttl=0.2)
-    prompt = random_prompt(100, 55)
+    prompt = random_prompt(100, 55 + 1000 * attempt)
     generate(writer, [prompt])
     flushed(writer)
     time.sleep(0.3)
@@ -253,10 +254,9 @@ def test_an_entry_past_the_readers_ttl_is_recomputed_on_mooncake(engines, stores
     assert (stats.hit_blocks, stats.refused["expired"]) == (0, 1)
 
 
-def test_another_model_or_layouts_blocks_are_never_used(engines, stores, oracle, request):
+def test_another_model_or_layouts_blocks_are_never_used(engines, stores, oracle, attempt):
     url = stores["redis"].url
-    # A prompt of this run's own: a rerun must not find what the first try's reader wrote.
-    prompt = random_prompt(100, 60 + 1000 * getattr(request.node, "execution_count", 0))
+    prompt = random_prompt(100, 60 + 1000 * attempt)
     other_dtype, other_size = engines(url, engine={"dtype": "bfloat16"}), engines(url, engine={"block_size": 32})
     generate(other_dtype, [prompt])
     generate(other_size, [prompt])
@@ -275,7 +275,7 @@ def test_another_model_or_layouts_blocks_are_never_used(engines, stores, oracle,
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_full_store_evicts_or_refuses_and_answers_stay_right(engines, oracle, tmp_path, backend):
+def test_a_full_store_evicts_or_refuses_and_answers_stay_right(engines, oracle, tmp_path, backend, attempt):
     """A store filled past its size before the writer runs: Redis evicts its least recently used values, Mooncake
     refuses writes until its master evicts; either way the store did not fail, and every answer equals recompute."""
     server = store_server(backend, tmp_path / backend, "4mb" if backend == "redis" else "32MB")
@@ -285,7 +285,7 @@ def test_a_full_store_evicts_or_refuses_and_answers_stay_right(engines, oracle, 
         backend_client = raw_client(writer)
         for key in fillers:
             backend_client.put([(key, bytes(256 << 10 if backend == "redis" else 1 << 20))], None)
-        prompts = [random_prompt(100, 70 + i) for i in range(4)]
+        prompts = [random_prompt(100, 70 + i + 1000 * attempt) for i in range(4)]
         generate(writer, prompts, max_tokens=1)
         flushed(writer)
         got = generate(reader, prompts)
