@@ -170,8 +170,9 @@ def test_the_local_cache_first_then_the_store_then_the_rest(engines, stores, ora
     flushed(writer)
     generate(reader, [prompt[:50]])  # three of its blocks in the reader's own cache
     before = store_of(reader).stats.hit_blocks
-    got = generate(reader, [prompt + random_prompt(20, 12 + 1000 * attempt)])  # and a tail nobody computed
-    assert_recomputed_alike(got, generate(oracle, [prompt + random_prompt(20, 12 + 1000 * attempt)]))
+    tail = random_prompt(20, 12 + 1000 * attempt)  # and a tail nobody computed
+    got = generate(reader, [prompt + tail])
+    assert_recomputed_alike(got, generate(oracle, [prompt + tail]))
     assert store_of(reader).stats.hit_blocks - before == 6  # blocks 3..8: after the local hit, before the tail
 
 

@@ -27,7 +27,6 @@ from pdserve.kv_transfer.pd_connector import PdConnectorScheduler, ProducerIdent
 from pdserve.kv_transfer.peer_policy import PeerPolicy
 
 log = logging.getLogger(__name__)
-_EARLY_KEEP_S = 120.0  # how long a finished-sending report waits for vLLM to hold its request before it is dropped
 _WRITE_WAIT_S = 30.0  # how long vLLM keeps stepping for store writes the worker has not reported ended
 # The worker's counters whose sum is every store write it ended (taken, refused or dropped).
 _WRITES_ENDED = ("pdserve:kv_store_blocks_written", "pdserve:kv_store_write_refused", "pdserve:kv_store_writes_dropped")
@@ -68,7 +67,6 @@ class VllmSchedulerSide:
         self.half: KVConnectorScheduler = chain_scheduler(self.pd, store) if store is not None else self.pd
         self._views: dict[str, RequestView] = {}
         self._held: set[str] = set()  # P: finished requests whose blocks wait for D's read or push, or a release
-        self._early: dict[str, float] = {}  # finished sending before vLLM held them: id -> when reported
         self._schedule = PushSchedule()
         self._asks = DecodeFirstAsks(PeerPolicy.from_config(settings.extra.get("allowed_peers")), settings.max_blocks)
         self._abandoned: dict[str, RequestView] = {}  # D: ended while P was asked; P's answer must be freed
@@ -140,20 +138,15 @@ class VllmSchedulerSide:
 
     def update_connector_output(self, output: Any) -> None:
         """vLLM frees the blocks of each id in `output.finished_sending` right after this, asserting it still holds
-        that request: an id it does not hold (reported twice, or before vLLM was asked to hold it) would kill the
-        engine core. So vLLM sees only the ids it holds; one reported early is passed on once it is held."""
+        that request: an id it does not hold would kill the engine core. The worker reports only hand-offs vLLM was
+        told to hold, once; should any other id come, vLLM never sees it and a warning names it."""
         self._writes.observe(output)
         sending = set(output.finished_sending or ())
-        now = time.monotonic()
-        self._early = {rid: at for rid, at in self._early.items() if now - at < _EARLY_KEEP_S}
         stray = sending - self._held
         if stray:
             log.warning("PdConnector: sending reported finished for %d request(s) vLLM does not hold (%s); kept "
                         "back from vLLM", len(stray), ", ".join(sorted(stray)[:3]))
-            self._early.update(dict.fromkeys(stray, now))
-        ready = self._held & ({*sending, *self._early})
-        for rid in ready:
-            self._early.pop(rid, None)
+        ready = sending & self._held
         self._held.difference_update(ready)
         output.finished_sending = ready
         recving = set(output.finished_recving or ())
