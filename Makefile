@@ -47,11 +47,12 @@ live: $(STAMP)
 		peers.peer_binary("vllm-router", "vllm-router")'
 
 # A failed test runs once more (docs/decisions.md says why); `R` in the progress line and "rerun" in the summary
-# name every test that needed it, so a flaky test stays visible.
+# name every test that needed it, and the rerun summary keeps the traceback of each failed first try, so a flaky
+# test stays visible with its cause.
 TEST_RERUNS ?= 1
 
 test: install live
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --reruns $(TEST_RERUNS) --reruns-delay 2
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --reruns $(TEST_RERUNS) --reruns-delay 2 --rerun-show-tracebacks
 
 bench: install
 	$(PY) bench/engine.py
