@@ -15,7 +15,9 @@ max_position_embeddings raised to --max-model-len.
    SIGTERM (it drains: its requests move to D2, the gateway picking where) and the time until D1 runs none of them
    (and until its process exits) is set against the time the same generations take to finish unmoved.
 3. bystanders: --bystanders streams on each of D1 and D2 (sent to them directly), and a 2k-token request moved from
-   D1 to D2: the bystanders' mean inter-token time while the move runs against the same stretch just before it.
+   D1 to D2: the bystanders' mean inter-token time while the move runs against the same stretch just before it
+   (and just after it: the moved request's load is D2's from then on), each step of the move on both Ds, and the
+   cores the box, each server and the streaming clients used during the move.
 
   .venv/bin/python bench/migration.py --quick                           # smoke run (h256, short)
   .venv/bin/python bench/migration.py --json bench/out/migration.json   # the recorded run
@@ -40,6 +42,7 @@ from typing import Any
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness as H  # noqa: E402
+from proc_cpu import box_busy_s, process_cpu_s  # noqa: E402
 
 ADMIN = "bench-migration-admin"
 AUTH = {"Authorization": f"Bearer {ADMIN}"}
@@ -213,22 +216,39 @@ def bystander_run(fleet: Fleet, client: Any, gen: random.Random, args: argparse.
     moving.wait_tokens(32)
     fleet.both(client)
     time.sleep(1.0)  # the bystanders' steady state
+    pids = {name: proc.pid for name, proc in fleet.servers.procs.items()}
+    cpu0, busy0, own0 = {name: process_cpu_s(pid) for name, pid in pids.items()}, box_busy_s(), sum(os.times()[:2])
     t0 = time.monotonic()
-    r = fleet.admin(client, "/admin/migrate", {"request_id": moving.request_id, "to": fleet.url("D2")})
+    pace = {} if args.max_mib_per_s is None else {"max_mib_per_s": args.max_mib_per_s}
+    r = fleet.admin(client, "/admin/migrate", {"request_id": moving.request_id, "to": fleet.url("D2"), **pace})
     t1 = time.monotonic()
+    cpu1, busy1, own1 = {name: process_cpu_s(pid) for name, pid in pids.items()}, box_busy_s(), sum(os.times()[:2])
+    time.sleep(max(t1 - t0, 0.3))  # as long a stretch after the move, for the load it left on each side
     moving.join(600)
     outcome = r.json()["data"][0]["outcome"] if r.status_code == 200 else f"status {r.status_code}: {r.text[:200]}"
-    out: dict[str, Any] = {"move_ms": (t1 - t0) * 1e3, "outcome": outcome,
+    # Cores in use during the move: the whole box, each server, and this process (the streaming clients).
+    cores = {name: round((cpu1[name] - cpu0[name]) / (t1 - t0), 2) for name in pids}
+    cores |= {"clients": round((own1 - own0) / (t1 - t0), 2), "box": round((busy1 - busy0) / (t1 - t0), 2)}
+    out: dict[str, Any] = {"move_ms": (t1 - t0) * 1e3, "outcome": outcome, "cores": cores,
                            "bystander_errors": [s.error for ss in bystanders.values() for s in ss if s.error],
                            "bystander_tokens": [len(s.times) for ss in bystanders.values() for s in ss]}
     for name, streams in bystanders.items():
         during = _mean_gap(streams, t0, t1)
         before = _mean_gap(streams, t0 - max(t1 - t0, 0.3), t0)
-        out[name] = {"before_ms": before * 1e3, "during_ms": during * 1e3, "ratio": during / before}
+        after = _mean_gap(streams, t1, t1 + max(t1 - t0, 0.3))
+        out[name] = {"before_ms": before * 1e3, "during_ms": during * 1e3, "after_ms": after * 1e3,
+                     "ratio": during / before, "steps_during_ms": _step_gaps(streams, t0, t1)}
     for streams in bystanders.values():
         for stream in streams:
             stream.close()
     return out
+
+
+def _step_gaps(streams: list[Streamer], t0: float, t1: float) -> list[float]:
+    """The instance's step-to-step gaps in [t0, t1] (ms), read off its first bystander: whether a slower stretch is
+    every step a little slower or one step much longer."""
+    times = streams[0].times
+    return [round((b - a) * 1e3, 1) for a, b in zip(times, times[1:]) if t0 <= b <= t1]
 
 
 def _mean_gap(streams: list[Streamer], t0: float, t1: float) -> float:
@@ -261,6 +281,11 @@ def run(args: argparse.Namespace, servers: H.Servers, model: Path, meter: H.CpuM
         print(f"  bystanders: move {b['move_ms']:.0f} ms ({b['outcome']}); D1 {b['D1']['ratio']:.2f}x, D2 {b['D2']['ratio']:.2f}x"
               f" (tokens {b['bystander_tokens']}{', errors ' + str(b['bystander_errors'][:2]) if b['bystander_errors'] else ''})",
               flush=True)
+        for name in ("D1", "D2"):
+            print(f"    {name}: ms per token before / during / after {b[name]['before_ms']:.1f} / "
+                  f"{b[name]['during_ms']:.1f} / {b[name]['after_ms']:.1f}; steps during the move "
+                  f"{b[name]['steps_during_ms']}", flush=True)
+        print(f"    cores in use during the move (of {os.cpu_count()}): {b['cores']}", flush=True)
     return {"stops": stops, "rows": rows(stops, args), "drains": drains, "bystanders": bystanders}
 
 
@@ -309,6 +334,8 @@ def main() -> None:
     parser.add_argument("--drain-tokens", type=int, default=1000)
     parser.add_argument("--bystanders", type=int, default=4)
     parser.add_argument("--bystander-rounds", type=int, default=5)
+    parser.add_argument("--max-mib-per-s", type=float, default=None,
+                        help="bystanders: the moves' bulk copy pace (default: the instances' own, unpaced)")
     parser.add_argument("--parts", type=lambda v: v.split(","), default=list(PARTS),
                         help="which measurements to run (default: all): " + ",".join(PARTS))
     parser.add_argument("--quick", action="store_true", help="h256, short lengths, one round: a smoke run")

@@ -118,6 +118,19 @@ def test_moved_stream_equals_unmoved(fleet, spare, plane):
     fleet.idle()
 
 
+def test_a_paced_move_copies_its_bulk_in_bounded_stages_at_its_rate(fleet):
+    """`max_mib_per_s`: the bulk copy goes a block or so per stage (the tiny model's blocks are 16 KiB, a tenth of
+    a second at 0.25 MiB/s is 25.6 KiB), no faster than the rate, and the answer is still exactly the unmoved one."""
+    request = body(seed=6, max_tokens=300, return_token_ids=True)
+    expected = unmoved(fleet, request)
+    got, outcome, _ = moved(fleet, request, after=5, max_mib_per_s=0.25)
+    assert outcome["outcome"] == "handed_over", outcome
+    full_blocks = 70 // 16  # at least the prompt's full blocks were filled when it moved
+    assert outcome["stages"] > full_blocks, f"{outcome}: the bulk moved in more than one block per stage"
+    assert_same(got, expected)
+    fleet.idle()
+
+
 def test_chat_with_seeded_sampling_moves_exactly(fleet):
     """Seeded sampling goes on with the sampler's own random stream; held-back text (a stop string's prefix) is
     sent once; the window leg's token ids never reach a client that did not ask for them."""
@@ -219,6 +232,8 @@ def _refused_moves(fleet: Fleet) -> Stream:
         ({"request_id": stream.request_id, "to": "ftp://x"}, 400, "http://host:port"),
         ({"request_id": stream.request_id}, 400, "expected"),
         ({"request_id": stream.request_id, "to": fleet[other(fleet, source)].url, "mode": "teleport"}, 400, "mode"),
+        ({"request_id": stream.request_id, "to": fleet[other(fleet, source)].url, "max_mib_per_s": -1}, 400,
+         "max_mib_per_s"),
     ]
     for payload, status, words in cases:
         r = httpx.post(f"{gw}/admin/migrate", json=payload, headers=AUTH, timeout=30)

@@ -11,6 +11,7 @@ from conftest import assert_no_blocks_in_use, random_prompt
 from pdserve.engine.request import RequestStatus
 from pdserve.ids import ReqId
 from pdserve.migration import engine_ops
+from pdserve.migration.source import Pace
 from pdserve.sampling_params import SamplingParams
 
 PARAMS = {
@@ -99,6 +100,30 @@ def test_pinned_blocks_outlive_their_request(engines):
     assert source.kv.num_used_blocks == 2
     engine_ops.release(source, pinned.blocks)
     assert_no_blocks_in_use(source)
+
+
+def test_a_paced_stage_pins_at_most_its_share_of_the_filled_blocks(engines):
+    source = engines[0].engine
+    rid = source.add_request("paced", random_prompt(70, seed=3), PARAMS["greedy"])
+    run_until(source, rid, 3, {"tokens": [], "text": "", "logprobs": []})
+    first = engine_ops.pin_filled(source, rid, 0, limit=3)
+    rest = engine_ops.pin_filled(source, rid, first.end_block, limit=3)
+    assert (first.first_block, len(first.blocks), rest.first_block, len(rest.blocks)) == (0, 3, 3, 1)  # 4 filled
+    assert rest.token_ids == source.scheduler.requests[rid].all_token_ids()[:64]
+    source.abort_request(rid)
+    engine_ops.release(source, first.blocks + rest.blocks)
+    assert_no_blocks_in_use(source)
+
+
+def test_a_pace_bounds_each_stage_and_waits_until_the_bytes_sent_are_due():
+    now = [10.0]
+    pace = Pace(rate=4 * 1024 * 1024, block_bytes=64 * 1024, clock=lambda: now[0])
+    assert pace.stage_blocks() == 6  # a tenth of a second's 4 MiB/s, in whole 64 KiB blocks
+    assert pace.wait_after(6) == pytest.approx(6 * 64 / 4096)  # sent at once: due 94 ms after the start
+    now[0] += 1.0
+    assert pace.wait_after(6) == 0.0  # a slow stage: nothing more to wait for
+    unpaced = Pace(rate=0.0, block_bytes=64 * 1024, clock=lambda: now[0])
+    assert (unpaced.stage_blocks(), unpaced.wait_after(1000)) == (0, 0.0)
 
 
 def test_a_request_mid_prompt_is_not_paused(engines):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -254,7 +255,7 @@ EXTRA_CONFIG_KEYS = frozenset({
     "data_plane", "side_channel_host", "side_channel_port", "kv_lease_duration", "kv_load_timeout", "message_timeout",
     "handshake_timeout", "push_registration_timeout", "capture_messages", "fault_injection", "fault_injection_api",
     "allowed_peers", "vllm_nixl", "vllm_model", "vllm_nixl_port", "vllm_block_size", "vllm_mirror_blocks",
-    "vllm_version", "push_quarantine", "kv_store"})
+    "vllm_version", "push_quarantine", "kv_store", "migration_max_mib_per_s"})
 
 
 def extra_config(kv_cfg: dict[str, Any]) -> dict[str, Any]:
@@ -264,6 +265,14 @@ def extra_config(kv_cfg: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"unknown kv_connector_extra_config keys {sorted(unknown)}; known: {sorted(EXTRA_CONFIG_KEYS)}")
     return extra
+
+
+def migration_rate(extra: dict[str, Any]) -> float:
+    """`migration_max_mib_per_s` in bytes per second (0, the default: live migrations copy unpaced)."""
+    value = extra.get("migration_max_mib_per_s", 0)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"migration_max_mib_per_s must be a finite number >= 0 (MiB/s), got {value!r}")
+    return float(value) * 2**20
 
 
 def side_channel_address(kv_cfg: dict[str, Any], extra: dict[str, Any]) -> tuple[str, int]:
@@ -283,6 +292,7 @@ def agent_config(kv_cfg: dict[str, Any], extra: dict[str, Any], engine_id: str, 
         handshake_timeout_s=float(extra.get("handshake_timeout", 5.0)),
         push_timeout_s=float(extra.get("push_registration_timeout", 60.0)),
         push_quarantine=bool(extra.get("push_quarantine", False)),
+        migration_bytes_per_s=migration_rate(extra),
         capture_path=extra.get("capture_messages") or os.environ.get("PDSERVE_CAPTURE_MESSAGES"),
         preferred_plane=str(extra.get("data_plane", "auto")), planes=planes, faults=resolve_fault_config(extra),
         peers=PeerPolicy.from_config(extra.get("allowed_peers")))

@@ -40,6 +40,7 @@ class AgentConfig:
     # Keep the blocks of a push D gave up on out of use until no write of P's can still land in them (P's word,
     # P's process gone, or the in-flight bound). Off: they are recomputed in at once, the old trade-off.
     push_quarantine: bool = False
+    migration_bytes_per_s: float = 0.0  # a live migration's bulk copy pace from this instance (0: unpaced)
     capture_path: str | None = None  # append every side-channel message here (drills, tests)
     preferred_plane: str = "auto"  # "auto": the first common plane that connects (peers.AUTO_ORDER)
     planes: dict[str, DataPlane] = field(default_factory=dict)

@@ -37,15 +37,17 @@ class Pinned:
         return self.first_block + len(self.blocks)
 
 
-def pin_filled(engine: LLMEngine, rid: ReqId, first_block: int) -> Pinned | None:
-    """The request's full blocks from `first_block` on (their KV never changes again: none while it waits or
-    recomputes after a preemption); None if it ended."""
+def pin_filled(engine: LLMEngine, rid: ReqId, first_block: int, limit: int = 0) -> Pinned | None:
+    """The request's full blocks from `first_block` on, at most `limit` of them if set (their KV never changes
+    again: none while it waits or recomputes after a preemption); None if it ended."""
     request = engine.scheduler.requests.get(rid)
     if request is None or request.is_finished:
         return None
     if request.status != RequestStatus.RUNNING:
         return Pinned([], first_block, [])
     end = request.num_computed_tokens // engine.kv.block_size
+    if limit:
+        end = min(end, first_block + limit)
     blocks = engine.kv.pin(rid, first_block, end)
     return Pinned(blocks, first_block, request.all_token_ids()[:end * engine.kv.block_size])
 

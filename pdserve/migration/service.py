@@ -87,7 +87,7 @@ class Migrations:
     def __init__(self, engine: AsyncEngine, bundle: ConnectorBundle, tokenizer: Tokenizer, role: str,
                  model_name: str, timelines: TimelineStore, headers: list[tuple[bytes, bytes]]) -> None:
         agent = bundle.agent
-        settings = MigrationSettings.for_lease(agent.config.lease_s)
+        settings = MigrationSettings.for_lease(agent.config.lease_s, agent.config.migration_bytes_per_s)
         self.engine = engine
         self.tokenizer = tokenizer
         self.role = role

@@ -19,7 +19,11 @@ class MigrationSettings:
     idle_timeout_s: float = 30.0
     # Target: a request taken over but never attached by a gateway within this is aborted (its client is gone).
     unattached_timeout_s: float = 10.0
+    # Source: the pace of a live migration's bulk copy, in bytes per second (0: as fast as the plane goes). The
+    # copy costs the target's CPU (and the plane's); paced, it takes a bounded share of each of the target's decode
+    # steps instead of stalling a few, the way live VM migration caps its bandwidth. A move may set its own.
+    rate_bytes_per_s: float = 0.0
 
     @classmethod
-    def for_lease(cls, lease_s: float) -> MigrationSettings:
-        return cls(idle_timeout_s=lease_s, stage_timeout_s=lease_s)
+    def for_lease(cls, lease_s: float, rate_bytes_per_s: float = 0.0) -> MigrationSettings:
+        return cls(idle_timeout_s=lease_s, stage_timeout_s=lease_s, rate_bytes_per_s=rate_bytes_per_s)

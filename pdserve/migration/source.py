@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import secrets
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +36,8 @@ from pdserve.migration.wire import (CopyStage, HandedOver, Handoff, MigrateReque
 log = logging.getLogger(__name__)
 
 FINAL_BLOCKS = 1  # a stage that found at most this many newly filled blocks is the last one before the stop
-MAX_STAGES = 8
+MAX_STAGES = 8  # stages that did not converge (a paced bulk copy's full stages are not counted)
+PACED_STAGE_S = 0.1  # a paced copy moves about this long's allowance per stage: a decode step's worth or two
 
 
 @dataclass(eq=False)
@@ -56,12 +59,42 @@ class Migration:
     tracked: Tracked
     to: str | None
     mode: str
+    rate_bytes_per_s: float
     window: asyncio.Future = field(repr=False)  # the window leg's `to`, once the gateway came back
     done: asyncio.Future = field(repr=False)  # the MigrateResult
     task: asyncio.Task | None = field(default=None, repr=False)
     # What the first leg sent (its outputs and their logprobs): the window leg goes on from there.
     prefix: tuple[list[int], list[Any]] = ((), ())
     handed_over: HandedOver | None = None
+
+
+@dataclass(slots=True)
+class Pace:
+    """A live move's bulk copy at `rate` bytes per second (0: unpaced): stages of a bounded size, and a wait after
+    each until the bytes sent so far are due."""
+
+    rate: float
+    block_bytes: int
+    clock: Callable[[], float] = time.monotonic
+    started: float = -1.0
+    sent: int = 0
+
+    def __post_init__(self) -> None:
+        self.started = self.clock()
+
+    def stage_blocks(self) -> int:
+        """How many blocks the next stage may copy (0: all that are filled)."""
+        return max(1, int(self.rate * PACED_STAGE_S) // self.block_bytes) if self.rate else 0
+
+    def wait_after(self, blocks: int) -> float:
+        """Count a stage's blocks as sent; seconds until everything sent so far is due at the rate (0: now)."""
+        self.sent += blocks * self.block_bytes
+        return max(0.0, self.started + self.sent / self.rate - self.clock()) if self.rate else 0.0
+
+    async def after(self, blocks: int) -> None:
+        wait = self.wait_after(blocks)
+        if wait:
+            await asyncio.sleep(wait)
 
 
 class SourceGone(Exception):
@@ -113,7 +146,10 @@ class MigrationSource:
             await self.check_target(ask.to)
         chosen = [self._named(ask.request_id)] if ask.request_id is not None else await self._pick(ask.count,
                                                                                                     ask.max_share)
-        started = [self._start(tracked, ask.to, ask.mode) for tracked in chosen]
+        if ask.max_mib_per_s is not None and not (math.isfinite(ask.max_mib_per_s) and ask.max_mib_per_s >= 0):
+            raise MigrationError(400, f"max_mib_per_s must be a finite number >= 0, got {ask.max_mib_per_s!r}")
+        rate = self.settings.rate_bytes_per_s if ask.max_mib_per_s is None else ask.max_mib_per_s * 2**20
+        started = [self._start(tracked, ask.to, ask.mode, rate) for tracked in chosen]
         return list(await asyncio.gather(*(m.done for m in started)))
 
     def _named(self, request_id: str) -> Tracked:
@@ -158,10 +194,10 @@ class MigrationSource:
         except ValueError as exc:
             raise MigrationError(400, f"'to': {exc}") from exc
 
-    def _start(self, tracked: Tracked, to: str | None, mode: str) -> Migration:
+    def _start(self, tracked: Tracked, to: str | None, mode: str, rate_bytes_per_s: float) -> Migration:
         loop = asyncio.get_running_loop()
         migration = Migration(f"mig-{uuid.uuid4().hex}", secrets.token_hex(16), secrets.token_hex(16), tracked,
-                              to, mode, loop.create_future(), loop.create_future())
+                              to, mode, rate_bytes_per_s, loop.create_future(), loop.create_future())
         tracked.migration = migration
         self.migrations[migration.id] = migration
         notice = engine_ops.notice(tracked.rid)
@@ -235,9 +271,11 @@ class MigrationSource:
         if m.mode == "recompute":
             await self._hand_over_tokens(m, to)
             return
-        first, stage = 0, 0
-        while m.mode == "live" and stage < MAX_STAGES:
-            pinned = await self.engine.call(lambda e: engine_ops.pin_filled(e, m.tracked.rid, first))
+        first, stage, unconverged = 0, 0, 0
+        pace = Pace(m.rate_bytes_per_s, self.agent.rt.regions.block_bytes)
+        while m.mode == "live" and unconverged < MAX_STAGES:
+            limit = pace.stage_blocks()
+            pinned = await self.engine.call(lambda e: engine_ops.pin_filled(e, m.tracked.rid, first, limit))
             if pinned is None:
                 raise SourceGone("the request ended while its KV was being copied")
             try:
@@ -246,6 +284,10 @@ class MigrationSource:
             finally:
                 await self._release(pinned)
             stage, first = stage + 1, pinned.end_block
+            await pace.after(len(pinned.blocks))
+            if limit and len(pinned.blocks) == limit:
+                continue  # more of the bulk to copy, at its pace
+            unconverged += 1
             if len(pinned.blocks) <= FINAL_BLOCKS:
                 break
         await self._final(m, to, stage, first)

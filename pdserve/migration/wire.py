@@ -128,6 +128,8 @@ class MigrateRequest(msgspec.Struct, kw_only=True):
     # With `count`: move only requests holding at most this share of the source's KV cache (a rebalancer moving
     # at most half the gap between two instances never makes the other one the busier).
     max_share: float = 1.0
+    # The pace of a live move's bulk copy in MiB/s (None: the source's configured pace; 0: unpaced).
+    max_mib_per_s: float | None = None
 
 
 class MigrateResult(msgspec.Struct, kw_only=True):
