@@ -13,7 +13,9 @@ Two parts (`--part io|qa|all`):
   TTFT p50/p90 (client clock, streamed), throughput (output tokens per second of the whole run), and the prompt
   tokens computed against loaded from the store. Then, per store: one instance restarted mid-run, its first
   requests on known prefixes against a warm instance's at the same time; and `no-reuse` (every prompt new)
-  throughput with each store against none.
+  throughput with each store against none, with where that run's CPU went: each process's CPU seconds (the
+  instances, redis-server, Mooncake's master and `mooncake_client`) and the instances' by thread (the engine, the
+  tier's writer; `kv_store_cpu.py`).
 
 For figures to record, run it with nothing else on the box:
 
@@ -38,6 +40,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCH), str(BENCH.parent / "tests")]
 import harness as H  # noqa: E402
+from kv_store_cpu import CpuSplit, find_py_spy, print_report  # noqa: E402
 from store_servers import StoreServer  # noqa: E402
 from ttft import make_model  # noqa: E402
 
@@ -193,26 +196,43 @@ def counters(client: Any, fleet: Fleet) -> dict[str, float]:
     return total
 
 
+def drained(client: Any, fleet: Fleet, max_wait_s: float = 30.0) -> None:
+    """Until the instances' write queues are empty: the CPU of a run's last writes is the run's."""
+    deadline = time.monotonic() + max_wait_s
+    while counters(client, fleet).get("pdserve:kv_store_write_queue_bytes", 0.0) > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def p(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100)[int(q) - 1] if len(values) > 1 else values[0]
 
 
-def qa_rounds(fleets: dict[str, Fleet], args: argparse.Namespace, reuse: bool) -> dict[str, list[dict[str, Any]]]:
-    """Every mode on the same workload each round (a new one each round), in rotating order."""
+def qa_rounds(fleets: dict[str, Fleet], args: argparse.Namespace, reuse: bool,
+              cpu: dict[str, CpuSplit] | None = None) -> dict[str, list[dict[str, Any]]]:
+    """Every mode on the same workload each round (a new one each round), in rotating order; each mode's turns
+    measured by `cpu[mode]` where given."""
     results: dict[str, list[dict[str, Any]]] = {mode: [] for mode in fleets}
     with H.http_client(60) as client:
         for rnd, order in H.rotations(list(fleets), args.rounds):
             for mode in order:
                 before = counters(client, fleets[mode])
+                if cpu:
+                    cpu[mode].mark()
                 r = turns(fleets[mode], conversations(args, 1000 * rnd + reuse), args, args.turns, reuse=reuse)
+                if cpu:
+                    drained(client, fleets[mode])
+                    cpu[mode].add()
                 after = counters(client, fleets[mode])
                 r["computed"] = H.delta(after, before, "pdserve:prompt_tokens_computed_total")
                 r["loaded"] = H.delta(after, before, "pdserve:kv_store_hit_blocks_total") * 16
+                r["written"] = H.delta(after, before, "pdserve:kv_store_blocks_written_total")
+                r["dropped"] = H.delta(after, before, "pdserve:kv_store_writes_dropped_total")
                 r.pop("by_instance")
                 results[mode].append(r)
                 print(f"  round {rnd} {mode:9s} TTFT p50 {p(r['ttft'], 50) * 1e3:7.1f} ms p90 "
                       f"{p(r['ttft'], 90) * 1e3:7.1f} ms, {r['tok_s']:6.1f} tok/s, prompt tokens computed "
-                      f"{r['computed']:.0f}, loaded {r['loaded']:.0f}", flush=True)
+                      f"{r['computed']:.0f}, loaded {r['loaded']:.0f}; blocks written {r['written']:.0f}, dropped "
+                      f"{r['dropped']:.0f}", flush=True)
     return results
 
 
@@ -222,7 +242,8 @@ def summarize(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, f
         ttft = [t for r in runs for t in r["ttft"]]
         out[mode] = {"ttft_p50_ms": p(ttft, 50) * 1e3, "ttft_p90_ms": p(ttft, 90) * 1e3,
                      "tok_s": H.median([r["tok_s"] for r in runs]), "computed": sum(r["computed"] for r in runs),
-                     "loaded": sum(r["loaded"] for r in runs)}
+                     "loaded": sum(r["loaded"] for r in runs), "written": sum(r["written"] for r in runs),
+                     "dropped": sum(r["dropped"] for r in runs)}
     base = out.get("none")
     for mode, row in out.items():
         if base is not None and mode != "none":
@@ -267,8 +288,22 @@ def qa_part(cleanup: H.Cleanup, args: argparse.Namespace) -> dict[str, Any]:
     reuse = summarize(qa_rounds(fleets, args, reuse=True))
     restart = restart_part(fleets, args)
     print("no reuse (every prompt new):")
-    no_reuse = summarize(qa_rounds(fleets, args, reuse=False))
+    splits = {mode: CpuSplit([fleet.servers.procs[key].pid for key in fleet.keys],
+                             store_processes(stores[mode]) if mode in stores else {})
+              for mode, fleet in fleets.items()}
+    no_reuse = summarize(qa_rounds(fleets, args, reuse=False, cpu=splits))
+    py_spy = find_py_spy(args.py_spy)
+    cpu = {mode: split.report(py_spy) for mode, split in splits.items()}
+    print("where the no-reuse run's CPU went" + ("" if py_spy else " (no py-spy: threads not split)") + ":")
+    for mode, r in cpu.items():
+        print_report(mode, r)
+        no_reuse[mode]["cpu"] = r
     return {"reuse": reuse, "restart": restart, "no_reuse": no_reuse}
+
+
+def store_processes(server: StoreServer) -> dict[str, list[int]]:
+    names = ("redis-server",) if server.kind == "redis" else ("mooncake_master", "mooncake_client")
+    return {name: [proc.pid] for name, proc in zip(names, server.procs, strict=True)}
 
 
 def main() -> int:
@@ -288,6 +323,8 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--py-spy", default=None, help="py-spy to name the instances' threads with (default: the "
+                    "venv's, or PATH's)")
     args = ap.parse_args()
     cleanup = H.Cleanup()
     print(f"box: {H._cpu_info()[0]}, {os.cpu_count()} cores, load {H.loadavg()}, {time.strftime('%Y-%m-%d')}",
