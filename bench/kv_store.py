@@ -262,14 +262,20 @@ def restart_part(fleets: dict[str, Fleet], args: argparse.Namespace) -> dict[str
     instance, half on warm instance 1, interleaved. Their TTFT medians, restarted over warm."""
     out = {}
     for mode, fleet in fleets.items():
-        users = conversations(args, 777)
-        turns(fleet, users, args, args.turns - 1)
-        fleet.restart(0)
-        r = turns(fleet, users, args, 1, route=lambda u, t: 0 if u % 2 == 0 else 1)
-        cold, warm = H.median(r["by_instance"][0]), H.median(r["by_instance"][1])
-        out[mode] = {"restarted_ms": cold * 1e3, "warm_ms": warm * 1e3, "ratio": cold / warm}
+        restarted: list[float] = []
+        warmed: list[float] = []
+        for k in range(args.restarts):  # each on new conversations; the medians pool every restart's requests
+            users = conversations(args, 777 + k)
+            turns(fleet, users, args, args.turns - 1)
+            fleet.restart(0)
+            r = turns(fleet, users, args, 1, route=lambda u, t: 0 if u % 2 == 0 else 1)
+            restarted += r["by_instance"][0]
+            warmed += r["by_instance"][1]
+        cold, warm = H.median(restarted), H.median(warmed)
+        out[mode] = {"restarted_ms": cold * 1e3, "warm_ms": warm * 1e3, "ratio": cold / warm,
+                     "samples": len(restarted)}
         print(f"restart {mode:9s} first requests on known prefixes: restarted {cold * 1e3:7.1f} ms, warm "
-              f"{warm * 1e3:7.1f} ms: {cold / warm:.2f}x", flush=True)
+              f"{warm * 1e3:7.1f} ms: {cold / warm:.2f}x ({len(restarted)} requests a side)", flush=True)
     return out
 
 
@@ -322,6 +328,7 @@ def main() -> int:
     ap.add_argument("--kv-blocks", type=int, default=400, help="each instance's KV cache, in blocks of 16 tokens")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--restarts", type=int, default=1, help="restarts of instance 0 per mode (samples pooled)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--py-spy", default=None, help="py-spy to name the instances' threads with (default: the "
                     "venv's, or PATH's)")
