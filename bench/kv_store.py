@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import statistics
 import sys
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -125,13 +127,13 @@ class Fleet:
         return self.servers.url(self.keys[index % len(self.keys)])
 
 
-def ask(client: Any, url: str, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
+def ask(client: Any, url: str, prompt: list[int], max_tokens: int, request_id: str) -> tuple[float, list[int]]:
     """(TTFT in seconds, the answer's token ids) of one streamed greedy completion."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "return_token_ids": True}
     t0 = time.monotonic()
     first, tokens = None, []
-    for t, data in H.sse_data(client, f"{url}/v1/completions", body):
+    for t, data in H.sse_data(client, f"{url}/v1/completions", body, {"X-Request-Id": request_id}):
         chunk = json.loads(data)
         for choice in chunk.get("choices", [])[:1]:
             tokens += choice.get("token_ids") or []
@@ -160,6 +162,7 @@ def turns(fleet: Fleet, users: list[Conversation], args: argparse.Namespace, cou
     goes to instance `route(u, t)` (round-robin by default). TTFTs (by instance) and output tokens per second."""
     route = route or (lambda u, t: u + t)
     ttfts: dict[int, list[float]] = {}
+    rids: dict[int, list[str]] = {}
     out_tokens = [0]
     lock = threading.Lock()
 
@@ -169,17 +172,19 @@ def turns(fleet: Fleet, users: list[Conversation], args: argparse.Namespace, cou
             for _ in range(count):
                 prompt = conv.next_prompt() if reuse else conv.tokens(len(conv.next_prompt()))
                 index = route(u, conv.turn) % len(fleet.keys)
-                ttft, answer = ask(client, fleet.url(index), prompt, args.answer)
+                rid = f"kvs-{uuid.uuid4().hex[:16]}"
+                ttft, answer = ask(client, fleet.url(index), prompt, args.answer, rid)
                 conv.history, conv.turn = prompt + answer, conv.turn + 1
                 with lock:
                     ttfts.setdefault(index, []).append(ttft)
+                    rids.setdefault(index, []).append(rid)
                     out_tokens[0] += len(answer)
 
     t0 = time.monotonic()
     with ThreadPoolExecutor(args.concurrency) as pool:
         list(pool.map(user, range(len(users))))
     wall = time.monotonic() - t0
-    return {"ttft": [t for ts in ttfts.values() for t in ts], "by_instance": ttfts, "wall": wall,
+    return {"ttft": [t for ts in ttfts.values() for t in ts], "by_instance": ttfts, "rids": rids, "wall": wall,
             "tok_s": out_tokens[0] / wall}
 
 
@@ -228,6 +233,7 @@ def qa_rounds(fleets: dict[str, Fleet], args: argparse.Namespace, reuse: bool,
                 r["written"] = H.delta(after, before, "pdserve:kv_store_blocks_written_total")
                 r["dropped"] = H.delta(after, before, "pdserve:kv_store_writes_dropped_total")
                 r.pop("by_instance")
+                r.pop("rids")
                 results[mode].append(r)
                 print(f"  round {rnd} {mode:9s} TTFT p50 {p(r['ttft'], 50) * 1e3:7.1f} ms p90 "
                       f"{p(r['ttft'], 90) * 1e3:7.1f} ms, {r['tok_s']:6.1f} tok/s, prompt tokens computed "
@@ -264,6 +270,7 @@ def restart_part(fleets: dict[str, Fleet], args: argparse.Namespace) -> dict[str
     for mode, fleet in fleets.items():
         restarted: list[float] = []
         warmed: list[float] = []
+        spans: dict[str, list[dict[str, float]]] = {"restarted": [], "warm": []}
         for k in range(args.restarts):  # each on new conversations; the medians pool every restart's requests
             users = conversations(args, 777 + k)
             turns(fleet, users, args, args.turns - 1)
@@ -271,12 +278,34 @@ def restart_part(fleets: dict[str, Fleet], args: argparse.Namespace) -> dict[str
             r = turns(fleet, users, args, 1, route=lambda u, t: 0 if u % 2 == 0 else 1)
             restarted += r["by_instance"][0]
             warmed += r["by_instance"][1]
+            with H.http_client(30) as client:
+                for side, index in (("restarted", 0), ("warm", 1)):
+                    spans[side] += [phases(client, fleet.url(index), rid) for rid in r["rids"][index]]
         cold, warm = H.median(restarted), H.median(warmed)
         out[mode] = {"restarted_ms": cold * 1e3, "warm_ms": warm * 1e3, "ratio": cold / warm,
                      "samples": len(restarted)}
         print(f"restart {mode:9s} first requests on known prefixes: restarted {cold * 1e3:7.1f} ms, warm "
               f"{warm * 1e3:7.1f} ms: {cold / warm:.2f}x ({len(restarted)} requests a side)", flush=True)
+        for side, rows in spans.items():
+            medians = {k: H.median([row[k] for row in rows if math.isfinite(row[k])]) * 1e3 for k in PHASES}
+            out[mode][f"{side}_phases_ms"] = medians
+            print(f"    {side:9s} server side, medians: " + ", ".join(f"{k} {v:.1f} ms" for k, v in medians.items()),
+                  flush=True)
     return out
+
+
+# A request's server-side phases from its timeline: arrival to its KV load or step (the store lookup and the queue),
+# the load, and arrival to the first token.
+PHASES = ("wait", "load", "first token")
+
+
+def phases(client: Any, url: str, request_id: str) -> dict[str, float]:
+    ev = H.timeline_events(client, url, request_id)
+    queued, first = H.first_event(ev, "queued"), H.first_event(ev, "first_token")
+    start, end = H.first_event(ev, "kv_transfer_start"), H.first_event(ev, "kv_transfer_end")
+    loaded = math.isfinite(start) and math.isfinite(end)  # no such events: the request loaded nothing
+    began = start if loaded else H.first_event(ev, "scheduled")
+    return {"wait": began - queued, "load": end - start if loaded else 0.0, "first token": first - queued}
 
 
 def qa_part(cleanup: H.Cleanup, args: argparse.Namespace) -> dict[str, Any]:
