@@ -11,8 +11,10 @@ Two parts (`--part io|qa|all`):
   so its history was usually computed elsewhere. Each instance's KV cache holds a fraction of the working set
   (printed). Modes, each on its own instances, in rounds of rotating order: no store, Redis, Mooncake. Reported:
   TTFT p50/p90 (client clock, streamed), throughput (output tokens per second of the whole run), and the prompt
-  tokens computed against loaded from the store. Then, per store: one instance restarted mid-run, its first
-  requests on known prefixes against a warm instance's at the same time; and `no-reuse` (every prompt new)
+  tokens computed against loaded from the store. Then, per store: one instance restarted mid-run (`--restarts`
+  times), its first requests on known prefixes against a warm instance's at the same time, with both sides'
+  server-side phases from the instances' timelines (lookup and queue wait, store load, arrival to first token);
+  and `no-reuse` (every prompt new)
   throughput with each store against none, with where that run's CPU went: each process's CPU seconds (the
   instances, redis-server, Mooncake's master and `mooncake_client`) and the instances' by thread (the engine, the
   tier's writer; `kv_store_cpu.py`).
