@@ -11,9 +11,13 @@ Two parts (`--part io|qa|all`):
   so its history was usually computed elsewhere. Each instance's KV cache holds a fraction of the working set
   (printed). Modes, each on its own instances, in rounds of rotating order: no store, Redis, Mooncake. Reported:
   TTFT p50/p90 (client clock, streamed), throughput (output tokens per second of the whole run), and the prompt
-  tokens computed against loaded from the store. Then, per store: one instance restarted mid-run, its first
-  requests on known prefixes against a warm instance's at the same time; and `no-reuse` (every prompt new)
-  throughput with each store against none.
+  tokens computed against loaded from the store. Then, per store: one instance restarted mid-run (`--restarts`
+  times), its first requests on known prefixes against a warm instance's at the same time, with both sides'
+  server-side phases from the instances' timelines (lookup and queue wait, store load, arrival to first token);
+  and `no-reuse` (every prompt new)
+  throughput with each store against none, with where that run's CPU went: each process's CPU seconds (the
+  instances, redis-server, Mooncake's master and `mooncake_client`) and the instances' by thread (the engine, the
+  tier's writer; `kv_store_cpu.py`).
 
 For figures to record, run it with nothing else on the box:
 
@@ -24,12 +28,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import statistics
 import sys
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -38,6 +44,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCH), str(BENCH.parent / "tests")]
 import harness as H  # noqa: E402
+from kv_store_cpu import CpuSplit, find_py_spy, print_report  # noqa: E402
 from store_servers import StoreServer  # noqa: E402
 from ttft import make_model  # noqa: E402
 
@@ -122,13 +129,13 @@ class Fleet:
         return self.servers.url(self.keys[index % len(self.keys)])
 
 
-def ask(client: Any, url: str, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
+def ask(client: Any, url: str, prompt: list[int], max_tokens: int, request_id: str) -> tuple[float, list[int]]:
     """(TTFT in seconds, the answer's token ids) of one streamed greedy completion."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "return_token_ids": True}
     t0 = time.monotonic()
     first, tokens = None, []
-    for t, data in H.sse_data(client, f"{url}/v1/completions", body):
+    for t, data in H.sse_data(client, f"{url}/v1/completions", body, {"X-Request-Id": request_id}):
         chunk = json.loads(data)
         for choice in chunk.get("choices", [])[:1]:
             tokens += choice.get("token_ids") or []
@@ -157,6 +164,7 @@ def turns(fleet: Fleet, users: list[Conversation], args: argparse.Namespace, cou
     goes to instance `route(u, t)` (round-robin by default). TTFTs (by instance) and output tokens per second."""
     route = route or (lambda u, t: u + t)
     ttfts: dict[int, list[float]] = {}
+    rids: dict[int, list[str]] = {}
     out_tokens = [0]
     lock = threading.Lock()
 
@@ -166,17 +174,19 @@ def turns(fleet: Fleet, users: list[Conversation], args: argparse.Namespace, cou
             for _ in range(count):
                 prompt = conv.next_prompt() if reuse else conv.tokens(len(conv.next_prompt()))
                 index = route(u, conv.turn) % len(fleet.keys)
-                ttft, answer = ask(client, fleet.url(index), prompt, args.answer)
+                rid = f"kvs-{uuid.uuid4().hex[:16]}"
+                ttft, answer = ask(client, fleet.url(index), prompt, args.answer, rid)
                 conv.history, conv.turn = prompt + answer, conv.turn + 1
                 with lock:
                     ttfts.setdefault(index, []).append(ttft)
+                    rids.setdefault(index, []).append(rid)
                     out_tokens[0] += len(answer)
 
     t0 = time.monotonic()
     with ThreadPoolExecutor(args.concurrency) as pool:
         list(pool.map(user, range(len(users))))
     wall = time.monotonic() - t0
-    return {"ttft": [t for ts in ttfts.values() for t in ts], "by_instance": ttfts, "wall": wall,
+    return {"ttft": [t for ts in ttfts.values() for t in ts], "by_instance": ttfts, "rids": rids, "wall": wall,
             "tok_s": out_tokens[0] / wall}
 
 
@@ -193,26 +203,44 @@ def counters(client: Any, fleet: Fleet) -> dict[str, float]:
     return total
 
 
+def drained(client: Any, fleet: Fleet, max_wait_s: float = 30.0) -> None:
+    """Until the instances' write queues are empty: the CPU of a run's last writes is the run's."""
+    deadline = time.monotonic() + max_wait_s
+    while counters(client, fleet).get("pdserve:kv_store_write_queue_bytes", 0.0) > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def p(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100)[int(q) - 1] if len(values) > 1 else values[0]
 
 
-def qa_rounds(fleets: dict[str, Fleet], args: argparse.Namespace, reuse: bool) -> dict[str, list[dict[str, Any]]]:
-    """Every mode on the same workload each round (a new one each round), in rotating order."""
+def qa_rounds(fleets: dict[str, Fleet], args: argparse.Namespace, reuse: bool,
+              cpu: dict[str, CpuSplit] | None = None) -> dict[str, list[dict[str, Any]]]:
+    """Every mode on the same workload each round (a new one each round), in rotating order; each mode's turns
+    measured by `cpu[mode]` where given."""
     results: dict[str, list[dict[str, Any]]] = {mode: [] for mode in fleets}
     with H.http_client(60) as client:
         for rnd, order in H.rotations(list(fleets), args.rounds):
             for mode in order:
                 before = counters(client, fleets[mode])
+                if cpu:
+                    cpu[mode].mark()
                 r = turns(fleets[mode], conversations(args, 1000 * rnd + reuse), args, args.turns, reuse=reuse)
+                if cpu:
+                    drained(client, fleets[mode])
+                    cpu[mode].add()
                 after = counters(client, fleets[mode])
                 r["computed"] = H.delta(after, before, "pdserve:prompt_tokens_computed_total")
                 r["loaded"] = H.delta(after, before, "pdserve:kv_store_hit_blocks_total") * 16
+                r["written"] = H.delta(after, before, "pdserve:kv_store_blocks_written_total")
+                r["dropped"] = H.delta(after, before, "pdserve:kv_store_writes_dropped_total")
                 r.pop("by_instance")
+                r.pop("rids")
                 results[mode].append(r)
                 print(f"  round {rnd} {mode:9s} TTFT p50 {p(r['ttft'], 50) * 1e3:7.1f} ms p90 "
                       f"{p(r['ttft'], 90) * 1e3:7.1f} ms, {r['tok_s']:6.1f} tok/s, prompt tokens computed "
-                      f"{r['computed']:.0f}, loaded {r['loaded']:.0f}", flush=True)
+                      f"{r['computed']:.0f}, loaded {r['loaded']:.0f}; blocks written {r['written']:.0f}, dropped "
+                      f"{r['dropped']:.0f}", flush=True)
     return results
 
 
@@ -222,7 +250,8 @@ def summarize(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, f
         ttft = [t for r in runs for t in r["ttft"]]
         out[mode] = {"ttft_p50_ms": p(ttft, 50) * 1e3, "ttft_p90_ms": p(ttft, 90) * 1e3,
                      "tok_s": H.median([r["tok_s"] for r in runs]), "computed": sum(r["computed"] for r in runs),
-                     "loaded": sum(r["loaded"] for r in runs)}
+                     "loaded": sum(r["loaded"] for r in runs), "written": sum(r["written"] for r in runs),
+                     "dropped": sum(r["dropped"] for r in runs)}
     base = out.get("none")
     for mode, row in out.items():
         if base is not None and mode != "none":
@@ -241,15 +270,44 @@ def restart_part(fleets: dict[str, Fleet], args: argparse.Namespace) -> dict[str
     instance, half on warm instance 1, interleaved. Their TTFT medians, restarted over warm."""
     out = {}
     for mode, fleet in fleets.items():
-        users = conversations(args, 777)
-        turns(fleet, users, args, args.turns - 1)
-        fleet.restart(0)
-        r = turns(fleet, users, args, 1, route=lambda u, t: 0 if u % 2 == 0 else 1)
-        cold, warm = H.median(r["by_instance"][0]), H.median(r["by_instance"][1])
-        out[mode] = {"restarted_ms": cold * 1e3, "warm_ms": warm * 1e3, "ratio": cold / warm}
+        restarted: list[float] = []
+        warmed: list[float] = []
+        spans: dict[str, list[dict[str, float]]] = {"restarted": [], "warm": []}
+        for k in range(args.restarts):  # each on new conversations; the medians pool every restart's requests
+            users = conversations(args, 777 + k)
+            turns(fleet, users, args, args.turns - 1)
+            fleet.restart(0)
+            r = turns(fleet, users, args, 1, route=lambda u, t: 0 if u % 2 == 0 else 1)
+            restarted += r["by_instance"][0]
+            warmed += r["by_instance"][1]
+            with H.http_client(30) as client:
+                for side, index in (("restarted", 0), ("warm", 1)):
+                    spans[side] += [phases(client, fleet.url(index), rid) for rid in r["rids"][index]]
+        cold, warm = H.median(restarted), H.median(warmed)
+        out[mode] = {"restarted_ms": cold * 1e3, "warm_ms": warm * 1e3, "ratio": cold / warm,
+                     "samples": len(restarted)}
         print(f"restart {mode:9s} first requests on known prefixes: restarted {cold * 1e3:7.1f} ms, warm "
-              f"{warm * 1e3:7.1f} ms: {cold / warm:.2f}x", flush=True)
+              f"{warm * 1e3:7.1f} ms: {cold / warm:.2f}x ({len(restarted)} requests a side)", flush=True)
+        for side, rows in spans.items():
+            medians = {k: H.median([row[k] for row in rows if math.isfinite(row[k])]) * 1e3 for k in PHASES}
+            out[mode][f"{side}_phases_ms"] = medians
+            print(f"    {side:9s} server side, medians: " + ", ".join(f"{k} {v:.1f} ms" for k, v in medians.items()),
+                  flush=True)
     return out
+
+
+# A request's server-side phases from its timeline: arrival to its KV load or step (the store lookup and the queue),
+# the load, and arrival to the first token.
+PHASES = ("wait", "load", "first token")
+
+
+def phases(client: Any, url: str, request_id: str) -> dict[str, float]:
+    ev = H.timeline_events(client, url, request_id)
+    queued, first = H.first_event(ev, "queued"), H.first_event(ev, "first_token")
+    start, end = H.first_event(ev, "kv_transfer_start"), H.first_event(ev, "kv_transfer_end")
+    loaded = math.isfinite(start) and math.isfinite(end)  # no such events: the request loaded nothing
+    began = start if loaded else H.first_event(ev, "scheduled")
+    return {"wait": began - queued, "load": end - start if loaded else 0.0, "first token": first - queued}
 
 
 def qa_part(cleanup: H.Cleanup, args: argparse.Namespace) -> dict[str, Any]:
@@ -267,8 +325,22 @@ def qa_part(cleanup: H.Cleanup, args: argparse.Namespace) -> dict[str, Any]:
     reuse = summarize(qa_rounds(fleets, args, reuse=True))
     restart = restart_part(fleets, args)
     print("no reuse (every prompt new):")
-    no_reuse = summarize(qa_rounds(fleets, args, reuse=False))
+    splits = {mode: CpuSplit([fleet.servers.procs[key].pid for key in fleet.keys],
+                             store_processes(stores[mode]) if mode in stores else {})
+              for mode, fleet in fleets.items()}
+    no_reuse = summarize(qa_rounds(fleets, args, reuse=False, cpu=splits))
+    py_spy = find_py_spy(args.py_spy)
+    cpu = {mode: split.report(py_spy) for mode, split in splits.items()}
+    print("where the no-reuse run's CPU went" + ("" if py_spy else " (no py-spy: threads not split)") + ":")
+    for mode, r in cpu.items():
+        print_report(mode, r)
+        no_reuse[mode]["cpu"] = r
     return {"reuse": reuse, "restart": restart, "no_reuse": no_reuse}
+
+
+def store_processes(server: StoreServer) -> dict[str, list[int]]:
+    names = ("redis-server",) if server.kind == "redis" else ("mooncake_master", "mooncake_client")
+    return {name: [proc.pid] for name, proc in zip(names, server.procs, strict=True)}
 
 
 def main() -> int:
@@ -287,7 +359,10 @@ def main() -> int:
     ap.add_argument("--kv-blocks", type=int, default=400, help="each instance's KV cache, in blocks of 16 tokens")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--restarts", type=int, default=1, help="restarts of instance 0 per mode (samples pooled)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--py-spy", default=None, help="py-spy to name the instances' threads with (default: the "
+                    "venv's, or PATH's)")
     args = ap.parse_args()
     cleanup = H.Cleanup()
     print(f"box: {H._cpu_info()[0]}, {os.cpu_count()} cores, load {H.loadavg()}, {time.strftime('%Y-%m-%d')}",

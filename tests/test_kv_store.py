@@ -327,3 +327,17 @@ def test_block_keys_bind_model_dtype_block_size_and_salt():
     for other in (keys(model="n"), keys(dtype=torch.bfloat16), keys(block_size=32), keys(num_layers=3),
                   keys(salt="tenant")):
         assert not set(other) & set(mine)
+
+
+def test_an_instance_connects_to_its_store_before_its_first_request(engines, stores):
+    """A restarted instance's first requests must not wait for the store client's setup: the connection is made
+    as the engine is built. Redis lists its clients: a new one appears with no request sent yet."""
+    import redis
+
+    admin = redis.Redis.from_url(stores["redis"].url)
+    try:
+        before = {c["id"] for c in admin.client_list()}  # this test's own and any earlier test's, closing or not
+        engines(stores["redis"].url)
+        wait_for(lambda: {c["id"] for c in admin.client_list()} - before, what="the engine's store connection")
+    finally:
+        admin.close()

@@ -30,7 +30,11 @@ def namespace_for(model: str, dtype: torch.dtype, block_size: int, num_layers: i
 
 def build_store(raw: Any, namespace: Namespace) -> KVStoreTier | None:
     config = store_config(raw)
-    return KVStoreTier(config, namespace) if config is not None else None
+    if config is None:
+        return None
+    tier = KVStoreTier(config, namespace)
+    tier.connect_soon()
+    return tier
 
 
 def chain_scheduler(scheduler: KVConnectorScheduler, tier: KVStoreTier) -> ChainScheduler:

@@ -129,6 +129,17 @@ class KVStoreTier:
             self.stats.up = 1
         return result
 
+    def connect_soon(self) -> None:
+        """Connect on the reader thread now rather than at the first lookup: a new instance's first requests would
+        otherwise wait for the store client's import and setup (Mooncake's: tens of ms on a quiet box, hundreds on a
+        busy one). A store that is down now is treated as at any call: left alone for `retry_after_s`."""
+        def run() -> None:
+            try:
+                self._call(lambda _: None)
+            except StoreUnavailable:
+                pass
+        self._reader.submit(run)
+
     def failed(self, why: str, reconnect: bool = False) -> None:
         """A call failed or ran past its deadline: leave the store alone for a while."""
         self.stats.errors += 1
