@@ -370,6 +370,9 @@ def test_kv_aware_weighs_cached_tokens_against_load_and_credits_its_choice():
     assert KvAware(index).pick([c, b, a], prompt=prompt) is a and prompt.cached == {a.url: 64.0}
     a.pending_tokens = 70  # more prefill queued there than recomputing the whole prompt elsewhere
     assert KvAware(index).pick([a, b, c], prompt=RoutedPrompt(tokens)) is not a
+    a.pending_tokens, a.active_tokens = 0, 65 + 8  # streaming the answer to the prompt it computed: its KV is busy
+    assert KvAware(index, overlap_weight=1).pick([a, c], prompt=RoutedPrompt(tokens)) is c  # 1 + 73 against 65
+    assert KvAware(index).pick([a, c], prompt=RoutedPrompt(tokens)) is a  # the default 2: 2 + 73 against 130
     a.pending_tokens, a.active_tokens = 0, 1
     assert KvAware(index, overlap_weight=0).pick([a, b], prompt=RoutedPrompt(tokens)) is b  # load alone
     a.active_tokens = 0
