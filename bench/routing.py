@@ -24,6 +24,7 @@ hash-sticky `prefix_aware` can exceed it.
 
     .venv/bin/python bench/routing.py --quick                                   # smoke run (~3 min)
     .venv/bin/python bench/routing.py --rounds 2 --json bench/out/routing.json   # the table in docs/benchmarks.md
+    .venv/bin/python bench/routing.py --policies prefix_aware,kv_aware@1,kv_aware@4   # kv_aware@W: --kv-overlap-weight W
 
 Targets (shared and multiturn): kv_aware p90 TTFT <= 0.5x round_robin and <= 0.8x vllm-router cache_aware,
 throughput >= 1.2x round_robin; unique: kv_aware throughput >= 0.95x least_loaded; hit tokens >= 90 % of the
@@ -211,6 +212,7 @@ def start_router(policy: str, topology: str, insts: dict[str, Any], model: Path,
                  cleanup: H.Cleanup, explain: bool = False) -> tuple[str, int, Any, Path | None]:
     """(url, pid whose process tree is the router, a stopper, the log kv_aware explains its picks in)."""
     colocated = topology == "colocated"
+    policy, _, weight = policy.partition("@")
     if policy.startswith("vllm-router"):
         port = H.free_port()
         members = (["--worker-urls", *[i.url for i in insts.values()], "--policy", "cache_aware"] if colocated else
@@ -229,7 +231,8 @@ def start_router(policy: str, topology: str, insts: dict[str, Any], model: Path,
                ["--protocol", "pull", "--prefill", insts["P1"].url, insts["P2"].url, "--decode", insts["D1"].url,
                 insts["D2"].url])
     explained = explain and policy == "kv_aware"
-    gw = servers.gateway(f"gw-{policy}", *members, "--policy", policy, "--tokenizer", str(model),
+    tuned = ["--kv-overlap-weight", weight] if weight else []
+    gw = servers.gateway(f"gw-{policy}{weight}", *members, "--policy", policy, "--tokenizer", str(model), *tuned,
                          "--disable-log-requests", log_level="debug" if explained else "warning")
     if policy == "kv_aware":
         wait_live(gw.url, len(insts))
@@ -281,13 +284,14 @@ def measure(args: argparse.Namespace, topology: str, model: Path, tokenizer: Any
                       "mean_prompt_tokens": sum(map(len, flat)) / len(flat)}
         print(f"  {w}: {len(flat)} requests, prompts of {min(map(len, flat))}-{max(map(len, flat))} tokens "
               f"(mean {results[w]['mean_prompt_tokens']:.0f}), {sum(map(len, flat))} in all", flush=True)
-    for rnd, policies in H.rotations(args.policies.split(","), args.rounds):
+    listed = args.policies.split(",")
+    for rnd, policies in H.rotations(listed, args.rounds):
         for policy in policies:
             url, pid, stop, log_path = start_router(policy, topology, insts, model, servers, cleanup, args.explain)
             for w in workloads:
                 logged = log_path.stat().st_size if log_path else 0
                 out = measure_one(url, pid, holders, client, build(w, args.shape), args,
-                                  f"S{rnd}{POLICIES.index(policy)}{WORKLOADS.index(w)}")
+                                  f"S{rnd}{listed.index(policy)}{WORKLOADS.index(w)}")
                 if log_path:
                     with log_path.open(errors="replace") as log:
                         log.seek(logged)
@@ -389,7 +393,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--topologies", default="colocated,pull")
     p.add_argument("--workloads", default=",".join(WORKLOADS))
-    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--policies", default=",".join(POLICIES),
+                   help="any of " + ", ".join(POLICIES) + "; kv_aware@W runs kv_aware with --kv-overlap-weight W")
     p.add_argument("--blocks", type=int, default=96, help="KV blocks (of 16 tokens) per instance")
     p.add_argument("--concurrency", type=int, default=4)
     for name, value in vars(Shape()).items():

@@ -144,6 +144,21 @@ def test_memory_is_bounded_by_an_lru_and_speculative_credits_expire():
     assert held(index, tokens, BS, "a") == 0
 
 
+def test_a_credit_never_outlives_the_eviction_of_a_block_the_instance_already_held():
+    """The engine publishes nothing for a block it reuses, so a credit for one would never be confirmed: only
+    the blocks the instance must compute are credited, and a held block's removal is seen at once."""
+    index = PrefixIndex()
+    tokens = list(range(70, 82))  # 3 blocks of 4
+    index.apply("a", [stored([1, 2], None, tokens[:8])])
+    index.credit("a", content_keys(tokens, BS), BS)  # routed there: the third block is to be computed
+    assert held(index, tokens, BS, "a") == 3
+    index.apply("a", [BlockRemoved(block_hashes=[1, 2], medium="GPU")])  # evicted before the request ran
+    assert held(index, tokens, BS, "a") == 0
+    index.apply("a", [stored([1, 2], None, tokens[:8])])  # computed again; the third still to come
+    assert held(index, tokens, BS, "a") == 3
+    index.apply("a", [stored([3], 2, tokens[8:])])
+    assert held(index, tokens, BS, "a") == 3
+
 # -- the listener against the real publisher ---------------------------------------------------------------
 @pytest.fixture
 def ipc(tmp_path):
@@ -355,6 +370,9 @@ def test_kv_aware_weighs_cached_tokens_against_load_and_credits_its_choice():
     assert KvAware(index).pick([c, b, a], prompt=prompt) is a and prompt.cached == {a.url: 64.0}
     a.pending_tokens = 70  # more prefill queued there than recomputing the whole prompt elsewhere
     assert KvAware(index).pick([a, b, c], prompt=RoutedPrompt(tokens)) is not a
+    a.pending_tokens, a.active_tokens = 0, 65 + 8  # streaming the answer to the prompt it computed: its KV is busy
+    assert KvAware(index, overlap_weight=1).pick([a, c], prompt=RoutedPrompt(tokens)) is c  # 1 + 73 against 65
+    assert KvAware(index).pick([a, c], prompt=RoutedPrompt(tokens)) is a  # the default 2: 2 + 73 against 130
     a.pending_tokens, a.active_tokens = 0, 1
     assert KvAware(index, overlap_weight=0).pick([a, b], prompt=RoutedPrompt(tokens)) is b  # load alone
     a.active_tokens = 0

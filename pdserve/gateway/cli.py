@@ -89,7 +89,7 @@ def _add_kv_routing_flags(p: argparse.ArgumentParser) -> None:
                         "themselves), e.g. http://h:8000=tcp://h:5557,tcp://h:5558")
     p.add_argument("--kv-overlap-weight", type=float, default=None,
                    help="kv_aware: weight of prompt tokens an instance does not hold against the tokens it is busy "
-                        "with (default 1; 0 routes by load alone)")
+                        "with (default 2; 0 routes by load alone)")
     p.add_argument("--kv-store-hit-weight", type=float, default=None,
                    help="kv_aware: credit of a block held in an offload tier or store, against 1 for the device cache "
                         "(default 0.75)")

@@ -60,7 +60,7 @@ class GatewayConfig:
     prefix_threshold: float = 0.8
     tokenizer: str | None = None  # the model's folder (chat template included) or a tokenizer.json
     kv_events: list[str] = field(default_factory=list)  # URL=tcp://host:port[,tcp://host:replay_port]
-    kv_overlap_weight: float = 1.0  # kv_aware: weight of uncached prompt tokens against busy tokens
+    kv_overlap_weight: float = 2.0  # kv_aware: weight of uncached prompt tokens against busy tokens
     kv_store_hit_weight: float = 0.75  # kv_aware: credit of a block held in another tier than the device cache
     kv_index_capacity: int = 1_000_000  # kv_aware: entries (instance × block) the prefix index keeps
     probe_interval_s: float = 1.0

@@ -284,14 +284,21 @@ class PrefixIndex:
         return credit
 
     def credit(self, member: str, keys: list[int], block_size: int) -> None:
-        """Routing chose `member` for a prompt with these keys: count them as held until its events say."""
+        """Routing chose `member` for a prompt with these keys: count the ones it must compute as held until its
+        events say. A block it already holds in its device cache is not credited: the engine publishes no event
+        for a block it reuses, so such a credit would never be confirmed and would outlive the block's eviction
+        (its BlockRemoved drops the entry, not the credit), routing later prompts to a copy that is gone."""
         expiry = time.monotonic() + self.speculative_ttl_s
         with self._lock:
             state = self._members.get(member)
             if state is None:  # not publishing (or not reachable): scored by load alone
                 return
+            holders_by_key = self._holders.get(block_size, {})
             by_key = self._speculative.setdefault(block_size, {})
             for key in keys:
+                holders = holders_by_key.get(key)
+                if holders is not None and holders.get(member) == 1.0:
+                    continue
                 by_key.setdefault(key, {})[member] = expiry
                 state.speculative[(block_size, key)] = expiry
 

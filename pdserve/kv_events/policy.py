@@ -9,7 +9,10 @@ longest run of the prompt's blocks from its start that the index credits to the 
 whole, a copy in another tier at its weight). The queued and active parts are the gateway's own count over its
 legs in flight there (`Instance.pending_tokens` until a leg's first token, `Instance.active_tokens` while it
 lasts, each leg counting only the tokens the instance did not hold), so a request that shares a prefix with work
-already on an instance adds little load there. `w` is `--kv-overlap-weight`: 0 routes by load alone. An instance
+already on an instance adds little load there. `w` is `--kv-overlap-weight`, 2 by default where Dynamo's is 1:
+an instance streaming the answer to a prompt it has just computed keeps that prompt in its active KV until the
+answer ends, so at 1 it looked as busy as recomputing the prompt elsewhere would be, and the next prompts that
+shared the prefix went where it was not. 0 routes by load alone. An instance
 whose events the gateway does not have (no publisher, or one it cannot reach) holds nothing by the index. The
 chosen instance is credited with the prompt's blocks at once, so a burst of requests with one prefix finds it
 before the instance's events arrive.
@@ -32,7 +35,7 @@ class KvAware(Policy):
     name = "kv_aware"
     wants_prompt = True
 
-    def __init__(self, index: PrefixIndex, overlap_weight: float = 1.0) -> None:
+    def __init__(self, index: PrefixIndex, overlap_weight: float = 2.0) -> None:
         self.index = index
         self.overlap_weight = overlap_weight
         self._tiebreak = itertools.count()
