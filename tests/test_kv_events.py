@@ -159,6 +159,7 @@ def test_a_credit_never_outlives_the_eviction_of_a_block_the_instance_already_he
     index.apply("a", [stored([3], 2, tokens[8:])])
     assert held(index, tokens, BS, "a") == 3
 
+
 # -- the listener against the real publisher ---------------------------------------------------------------
 @pytest.fixture
 def ipc(tmp_path):
