@@ -108,7 +108,8 @@ def test_a_paced_stage_pins_at_most_its_share_of_the_filled_blocks(engines):
     run_until(source, rid, 3, {"tokens": [], "text": "", "logprobs": []})
     first = engine_ops.pin_filled(source, rid, 0, limit=3)
     rest = engine_ops.pin_filled(source, rid, first.end_block, limit=3)
-    assert (first.first_block, len(first.blocks), rest.first_block, len(rest.blocks)) == (0, 3, 3, 1)  # 4 filled
+    assert (first.first_block, len(first.blocks), rest.first_block, len(rest.blocks)) == (0, 3, 3, 1)
+    assert first.filled == rest.filled == 4  # what the request had filled, beyond the limit: the bulk to copy
     assert rest.token_ids == source.scheduler.requests[rid].all_token_ids()[:64]
     source.abort_request(rid)
     engine_ops.release(source, first.blocks + rest.blocks)

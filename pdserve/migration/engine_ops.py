@@ -27,6 +27,7 @@ class Pinned:
     blocks: list[KVBlock]
     first_block: int
     token_ids: list[int]
+    filled: int = 0  # the request's full blocks when these were pinned (more than pinned under a limit)
 
     @property
     def block_ids(self) -> list[int]:
@@ -45,11 +46,10 @@ def pin_filled(engine: LLMEngine, rid: ReqId, first_block: int, limit: int = 0) 
         return None
     if request.status != RequestStatus.RUNNING:
         return Pinned([], first_block, [])
-    end = request.num_computed_tokens // engine.kv.block_size
-    if limit:
-        end = min(end, first_block + limit)
+    filled = request.num_computed_tokens // engine.kv.block_size
+    end = min(filled, first_block + limit) if limit else filled
     blocks = engine.kv.pin(rid, first_block, end)
-    return Pinned(blocks, first_block, request.all_token_ids()[:end * engine.kv.block_size])
+    return Pinned(blocks, first_block, request.all_token_ids()[:end * engine.kv.block_size], filled)
 
 
 def release(engine: LLMEngine, blocks: list[KVBlock]) -> None:

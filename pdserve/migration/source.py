@@ -36,7 +36,7 @@ from pdserve.migration.wire import (CopyStage, HandedOver, Handoff, MigrateReque
 log = logging.getLogger(__name__)
 
 FINAL_BLOCKS = 1  # a stage that found at most this many newly filled blocks is the last one before the stop
-MAX_STAGES = 8  # stages that did not converge (a paced bulk copy's full stages are not counted)
+MAX_STAGES = 8  # stages that did not converge (a paced copy's full stages count only once past the first bulk)
 PACED_STAGE_S = 0.1  # a paced copy moves about this long's allowance per stage: a decode step's worth or two
 
 
@@ -271,7 +271,7 @@ class MigrationSource:
         if m.mode == "recompute":
             await self._hand_over_tokens(m, to)
             return
-        first, stage, unconverged = 0, 0, 0
+        first, stage, unconverged, bulk = 0, 0, 0, -1
         pace = Pace(m.rate_bytes_per_s, self.agent.rt.regions.block_bytes)
         while m.mode == "live" and unconverged < MAX_STAGES:
             limit = pace.stage_blocks()
@@ -283,10 +283,13 @@ class MigrationSource:
                     await self._stage(m, to, stage, pinned, None)
             finally:
                 await self._release(pinned)
+            bulk = pinned.filled if bulk < 0 else bulk  # what was filled when the move began
             stage, first = stage + 1, pinned.end_block
             await pace.after(len(pinned.blocks))
-            if limit and len(pinned.blocks) == limit:
-                continue  # more of the bulk to copy, at its pace
+            if limit and len(pinned.blocks) == limit and first < bulk:
+                continue  # more of the first bulk to copy, at its pace
+            # Past it, a full stage means the request fills blocks as fast as the pace copies them: such stages
+            # count toward the limit, after which the request stops and its last stage carries the rest.
             unconverged += 1
             if len(pinned.blocks) <= FINAL_BLOCKS:
                 break
