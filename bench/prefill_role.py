@@ -13,7 +13,7 @@ the instance holds no blocks (vllm:kv_cache_usage_perc == 0), so a round never w
     waits for), rounds rotating the engines' order. Two figures per round: "after idle", the first request after
     the box was quiet for at least half a second (an instance between bursts), and "back-to-back", the median of
     --hot requests sent right after it (an instance under steady load). On the shared VMs these figures come from,
-    a request after half a second of idle takes ~35 ms longer whatever its length, in-process as much as behind
+    a request after half a second of idle takes 10-40 ms longer whatever its length, in-process as much as behind
     HTTP (docs/benchmarks.md, section 16), so the first figure adds that to both engines;
   * prefill tokens/s: --concurrent requests of --concurrent-len tokens sent at once, tokens / (last answer - first
     send).
