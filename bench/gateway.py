@@ -50,6 +50,7 @@ from typing import Any
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 import harness as H  # noqa: E402
+from proc_cpu import box_busy_s, sched_seconds  # noqa: E402
 
 BODY = (b'{"model":"stub","prompt":"The quick brown fox jumps over the lazy dog.","max_tokens":4,'
         b'"temperature":0,"seed":1}')
@@ -75,17 +76,6 @@ done = function(summary, latency, requests)
     e.connect + e.read + e.write + e.timeout, e.status, latency:percentile(50), latency:percentile(99)))
 end
 """
-
-
-def sched_seconds(pid: int) -> float:
-    """CPU seconds of a process's threads from schedstat (ns resolution; utime+stime counts 10 ms ticks)."""
-    total = 0
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
-    except (OSError, IndexError, ValueError):
-        pass
-    return total / 1e9
 
 
 @dataclass
@@ -249,9 +239,8 @@ class Bench:
         self.procs = [*stubs, *routers.values()]
 
     def _snapshot(self) -> tuple[float, float, float, dict[str, float], dict[str, float]]:
-        f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
         t = os.times()
-        return (time.monotonic(), sum(f[i] for i in (0, 1, 2, 5, 6)) / H.CLK_TCK, t.user + t.system,
+        return (time.monotonic(), box_busy_s(), t.user + t.system,
                 {p.name: p.cpu() for p in self.procs}, {p.name: p.sched() for p in self.procs})
 
     def run(self, target: str, url: str, kind: str, conns: int, seconds: float) -> dict[str, Any]:

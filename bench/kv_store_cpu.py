@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import harness as H
+from proc_cpu import box_busy_s, thread_seconds
 
 # A thread's name prefix (ThreadPoolExecutor appends "_<n>") as the split reports it; the first that matches wins.
 THREADS = (("pdserve-kv-store-write", "store writer"), ("pdserve-kv-store-read", "store reader"),
@@ -46,15 +47,6 @@ def thread_names(py_spy: str | None, pid: int) -> dict[int, str]:
         return {}
 
 
-def thread_seconds(pid: int) -> dict[int, float]:
-    """CPU seconds of each live thread of `pid` ({} once it is gone)."""
-    try:
-        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        return {}
-    return {tid: H.cpu_seconds(pid, tid) for tid in tids}
-
-
 class CpuSplit:
     """CPU seconds per process group (label -> pids) and per instance thread, between `mark()` and `read()`;
     `add()` sums several measured spans (one per round)."""
@@ -72,8 +64,7 @@ class CpuSplit:
             procs[label] = sum(H.cpu_seconds(p) for p in pids)
         # Everything else the box ran (the other modes' idle instances, anyone else's work): a disturbed span
         # shows here, and the split's figures are then suspect.
-        stat = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        procs["others"] = sum(stat[i] for i in (0, 1, 2, 5, 6)) / H.CLK_TCK - sum(procs.values())
+        procs["others"] = box_busy_s() - sum(procs.values())
         return procs, by_tid
 
     def mark(self) -> None:

@@ -42,7 +42,7 @@ from typing import Any
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness as H  # noqa: E402
-from proc_cpu import box_busy_s, process_cpu_s  # noqa: E402
+from proc_cpu import box_busy_s, sched_seconds  # noqa: E402
 
 ADMIN = "bench-migration-admin"
 AUTH = {"Authorization": f"Bearer {ADMIN}"}
@@ -217,12 +217,12 @@ def bystander_run(fleet: Fleet, client: Any, gen: random.Random, args: argparse.
     fleet.both(client)
     time.sleep(1.0)  # the bystanders' steady state
     pids = {name: proc.pid for name, proc in fleet.servers.procs.items()}
-    cpu0, busy0, own0 = {name: process_cpu_s(pid) for name, pid in pids.items()}, box_busy_s(), sum(os.times()[:2])
+    cpu0, busy0, own0 = {name: sched_seconds(pid) for name, pid in pids.items()}, box_busy_s(), sum(os.times()[:2])
     t0 = time.monotonic()
     pace = {} if args.max_mib_per_s is None else {"max_mib_per_s": args.max_mib_per_s}
     r = fleet.admin(client, "/admin/migrate", {"request_id": moving.request_id, "to": fleet.url("D2"), **pace})
     t1 = time.monotonic()
-    cpu1, busy1, own1 = {name: process_cpu_s(pid) for name, pid in pids.items()}, box_busy_s(), sum(os.times()[:2])
+    cpu1, busy1, own1 = {name: sched_seconds(pid) for name, pid in pids.items()}, box_busy_s(), sum(os.times()[:2])
     time.sleep(max(t1 - t0, 0.3))  # as long a stretch after the move, for the load it left on each side
     moving.join(600)
     outcome = r.json()["data"][0]["outcome"] if r.status_code == 200 else f"status {r.status_code}: {r.text[:200]}"

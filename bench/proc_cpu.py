@@ -1,7 +1,8 @@
-"""CPU time from /proc at nanosecond resolution (a public seam: nothing in the product is patched).
+"""CPU time from /proc (a public seam: nothing in the product is patched).
 
-The 10 ms ticks of /proc/<pid>/stat are too coarse for stretches of a few hundred milliseconds (a migration's
-move); each thread's schedstat counts its run time in nanoseconds.
+Threads and processes by their schedstat (run time in nanoseconds): the 10 ms ticks of /proc/<pid>/stat are too
+coarse for stretches of a few hundred milliseconds (a migration's move, a gateway's idle second). The box as a
+whole by /proc/stat's busy ticks.
 """
 
 from __future__ import annotations
@@ -10,19 +11,24 @@ import os
 from pathlib import Path
 
 
-def process_cpu_s(pid: int) -> float:
-    """CPU seconds of `pid`'s live threads (threads that already ended are not counted); 0 if it is gone."""
-    total = 0
+def thread_seconds(pid: int) -> dict[int, float]:
+    """CPU seconds of each live thread of `pid` (threads that already ended are not counted); {} once it is gone."""
+    out: dict[int, float] = {}
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return 0.0
+        return out
     for tid in tids:
         try:
-            total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+            out[int(tid)] = int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0]) / 1e9
         except (OSError, IndexError, ValueError):
             continue
-    return total / 1e9
+    return out
+
+
+def sched_seconds(pid: int) -> float:
+    """CPU seconds of `pid`'s live threads; 0 if it is gone."""
+    return sum(thread_seconds(pid).values())
 
 
 def box_busy_s() -> float:

@@ -48,6 +48,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCH), str(BENCH.parent / "tests")]
 import gateway as G  # noqa: E402
 import harness as H  # noqa: E402
+from proc_cpu import thread_seconds  # noqa: E402
 from routing_reference import BS, explain_picks, offline_bound  # noqa: E402
 from peers import wait_healthy  # noqa: E402
 
@@ -185,21 +186,13 @@ def run(url: str, convs: list[list[list[dict]]], salt: str, concurrency: int) ->
 def thread_cpu(pid: int) -> dict[str, float]:
     """CPU seconds of a process's threads, summed by thread name (the router's event loop, its KV-event listener,
     ...), from /proc."""
-    import os
-
     out: dict[str, float] = {}
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for tid in tids:
+    for tid, seconds in thread_seconds(pid).items():
         try:
-            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
         except OSError:
             continue
-        name = stat[stat.index("(") + 1:stat.rindex(")")]
-        fields = stat.rsplit(")", 1)[1].split()
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / H.CLK_TCK
+        out[name] = out.get(name, 0.0) + seconds
     return out
 
 

@@ -17,3 +17,11 @@ def cpuinfo_line(*prefixes: str) -> str | None:
             return next((line for line in info if line.startswith(prefixes)), None)
     except OSError:
         return None
+
+
+def pace_bytes_per_s(mib_per_s: object, what: str) -> float:
+    """A pace given in MiB/s (a config value or a request field), in bytes per second; ValueError naming `what`
+    unless it is a finite number >= 0."""
+    if isinstance(mib_per_s, bool) or not isinstance(mib_per_s, int | float) or not 0 <= mib_per_s < float("inf"):
+        raise ValueError(f"{what} must be a finite number >= 0 (MiB/s), got {mib_per_s!r}")
+    return float(mib_per_s) * 2**20

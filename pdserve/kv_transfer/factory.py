@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -44,7 +43,7 @@ from pdserve.kv_transfer.vllm_nixl.producer import MirrorConfig, VllmNixlProduce
 from pdserve.kv_transfer.vllm_nixl.wire import DEFAULT_RELEASE, SUPPORTED_SERIES, ModelShape
 from pdserve.models.config import ModelSpec
 from pdserve.models.loader import checkpoint_files
-from pdserve.utils import cdiv
+from pdserve.utils import cdiv, pace_bytes_per_s
 
 log = logging.getLogger(__name__)
 
@@ -267,14 +266,6 @@ def extra_config(kv_cfg: dict[str, Any]) -> dict[str, Any]:
     return extra
 
 
-def migration_rate(extra: dict[str, Any]) -> float:
-    """`migration_max_mib_per_s` in bytes per second (0, the default: live migrations copy unpaced)."""
-    value = extra.get("migration_max_mib_per_s", 0)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"migration_max_mib_per_s must be a finite number >= 0 (MiB/s), got {value!r}")
-    return float(value) * 2**20
-
-
 def side_channel_address(kv_cfg: dict[str, Any], extra: dict[str, Any]) -> tuple[str, int]:
     return (str(extra.get("side_channel_host", kv_cfg.get("kv_ip", "127.0.0.1"))),
             int(extra.get("side_channel_port", kv_cfg.get("kv_port", 0))))
@@ -292,7 +283,8 @@ def agent_config(kv_cfg: dict[str, Any], extra: dict[str, Any], engine_id: str, 
         handshake_timeout_s=float(extra.get("handshake_timeout", 5.0)),
         push_timeout_s=float(extra.get("push_registration_timeout", 60.0)),
         push_quarantine=bool(extra.get("push_quarantine", False)),
-        migration_bytes_per_s=migration_rate(extra),
+        # 0, the default: live migrations copy unpaced.
+        migration_bytes_per_s=pace_bytes_per_s(extra.get("migration_max_mib_per_s", 0), "migration_max_mib_per_s"),
         capture_path=extra.get("capture_messages") or os.environ.get("PDSERVE_CAPTURE_MESSAGES"),
         preferred_plane=str(extra.get("data_plane", "auto")), planes=planes, faults=resolve_fault_config(extra),
         peers=PeerPolicy.from_config(extra.get("allowed_peers")))

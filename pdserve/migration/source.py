@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import secrets
 import time
 import uuid
@@ -32,6 +31,7 @@ from pdserve.migration.engine_ops import Pinned
 from pdserve.migration.settings import MigrationSettings
 from pdserve.migration.wire import (CopyStage, HandedOver, Handoff, MigrateRequest, MigrateResult, MigrationError,
                                     RequestState, Source)
+from pdserve.utils import pace_bytes_per_s
 
 log = logging.getLogger(__name__)
 
@@ -142,13 +142,15 @@ class MigrationSource:
         """`POST /v1/migrate`: move the named request, or `count` of them, and report how each went."""
         if ask.mode not in ("live", "stop-copy", "recompute"):
             raise MigrationError(400, f"mode must be live, stop-copy or recompute, got {ask.mode!r}")
+        try:
+            rate = (self.settings.rate_bytes_per_s if ask.max_mib_per_s is None
+                    else pace_bytes_per_s(ask.max_mib_per_s, "max_mib_per_s"))
+        except ValueError as exc:
+            raise MigrationError(400, str(exc)) from exc
         if ask.to is not None:
             await self.check_target(ask.to)
         chosen = [self._named(ask.request_id)] if ask.request_id is not None else await self._pick(ask.count,
                                                                                                     ask.max_share)
-        if ask.max_mib_per_s is not None and not (math.isfinite(ask.max_mib_per_s) and ask.max_mib_per_s >= 0):
-            raise MigrationError(400, f"max_mib_per_s must be a finite number >= 0, got {ask.max_mib_per_s!r}")
-        rate = self.settings.rate_bytes_per_s if ask.max_mib_per_s is None else ask.max_mib_per_s * 2**20
         started = [self._start(tracked, ask.to, ask.mode, rate) for tracked in chosen]
         return list(await asyncio.gather(*(m.done for m in started)))
 
