@@ -96,17 +96,25 @@ def in_background(fn, *args):
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_kill_prefill_during_prefill(models, protocol):
-    with cluster(models, {"P1": SLOW_STEPS, "P2": {}}, {"D1": {}}, protocol, "--retries", "1") as procs:
-        b = body(list(range(200, 400)))  # 200 tokens, a dozen slow steps on P1
+    # Both Ps slow: the gateway picks either, and the one that runs the leg is the one killed.
+    with cluster(models, {"P1": SLOW_STEPS, "P2": SLOW_STEPS}, {"D1": {}}, protocol, "--retries", "1") as procs:
+        b = body(list(range(200, 400)))  # 200 tokens, a dozen slow steps
         reference = answer(procs["C"].url, b).json()
         thread, result = in_background(answer, procs["G"].url, b)
-        wait_for(lambda: metric_values(procs["P1"].url)["vllm:num_requests_running"] == 1, what="P1 to prefill")
-        procs["P1"].kill()
+        running: list[str] = []
+
+        def a_p_prefills() -> bool:
+            running.extend(p for p in ("P1", "P2") if metric_values(procs[p].url)["vllm:num_requests_running"] == 1)
+            return bool(running)
+
+        wait_for(a_p_prefills, what="a P to prefill")
+        victim, survivor = running[0], ("P2" if running[0] == "P1" else "P1")
+        procs[victim].kill()
         thread.join(90)
-        assert expect_correct_or_clear_error(result["r"], reference)  # retried on P2 (or D computed it)
+        assert expect_correct_or_clear_error(result["r"], reference)  # retried on the other P (or D computed it)
         assert httpx.get(procs["G"].url + "/health").status_code == 200
         assert expect_correct_or_clear_error(answer(procs["G"].url, b), reference)
-        survivors_idle(procs, ["P2", "D1"])
+        survivors_idle(procs, [survivor, "D1"])
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)

@@ -84,3 +84,31 @@ def test_the_store_killed_mid_run_costs_recompute_only_and_comes_back(models, tm
             instance.stop()
         oracle.close()
         server.stop()
+
+
+def test_a_store_that_accepts_but_never_answers_does_not_hold_up_a_write():
+    """The engine's step calls `write`, which must only queue. A store whose TCP port accepts but never answers
+    keeps the tier's connect waiting up to the client's timeout; meanwhile a write returns, with that connect
+    still pending (no failure counted yet)."""
+    import socket
+
+    import torch
+
+    from pdserve.kv_store.config import StoreConfig
+    from pdserve.kv_store.factory import namespace_for
+    from pdserve.kv_store.tier import KVStoreTier, StoredBlock
+
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        url = f"redis://127.0.0.1:{silent.getsockname()[1]}/0"
+        namespace = namespace_for("m", torch.float32, 16, num_layers=1, kv_heads=1, head_dim=2)
+        tier = KVStoreTier(StoreConfig(url=url), namespace)
+        try:
+            tier.connect_soon()
+            silent.settimeout(30)
+            held, _ = silent.accept()  # the tier's client is connected and waits for its PING's answer
+            with held:
+                block = StoredBlock("k", b"h", b"", tuple(range(16)))
+                tier.write([block], torch.zeros(1, namespace.block_bytes, dtype=torch.uint8))
+                assert tier.stats.errors == 0 and tier.stats.up, "the write waited for the store's connect"
+        finally:
+            tier.close()

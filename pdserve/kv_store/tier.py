@@ -97,7 +97,10 @@ class KVStoreTier:
         self.on_stored: list[Callable[[list[StoredBlock]], None]] = []
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="pdserve-kv-store-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="pdserve-kv-store-write")
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # counters and the breaker: the engine thread takes it, so never held long
+        # Connecting can wait on the network up to the client's own timeouts; it has a lock of its own, so the
+        # engine's `write` never waits behind a store that does not answer.
+        self._connect_lock = threading.Lock()
         self._connected = False
         self._down_until = 0.0
 
@@ -116,7 +119,7 @@ class KVStoreTier:
     def _call(self, fn: Callable[[StoreBackend], T]) -> T:
         """One backend call on a tier thread; a failure opens the breaker and is raised."""
         try:
-            with self._lock:
+            with self._connect_lock:
                 if not self._connected:
                     self.backend.connect()
                     self._connected = True
