@@ -136,7 +136,8 @@ def test_usage_merges_prefill_and_decode(cluster):
 
 def test_bad_protocol_or_mode_fails_at_startup():
     for args, expected in ((["--protocol", "carrier-pigeon"], "supported: "),
-                           (["--protocol", "decode-first", "--scheduling", "staged"], "it supports: batch")):
+                           (["--protocol", "decode-first", "--scheduling", "staged"], "it supports: batch"),
+                           (["--rebalance", "--rebalance-max-mib-per-s", "-1"], "rebalance_max_mib_per_s must be")):
         done = subprocess.run([sys.executable, "-m", "pdserve", "gateway", "--port", "0", *args],
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 2

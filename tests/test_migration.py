@@ -299,7 +299,7 @@ def test_rebalancing_moves_requests_to_an_idle_decode_instance(fleet):
     expected = [unmoved(fleet, r) for r in requests]
     gateway = start("gateway", ["gateway", "--port", "0", "--log-level", "warning", "--protocol", "pull",
                                 "--prefill", fleet["P"].url, "--decode", fleet["D1"].url, "--admin-token", "rebalance",
-                                "--rebalance", "--rebalance-margin", "0.05"])
+                                "--rebalance", "--rebalance-margin", "0.05", "--rebalance-max-mib-per-s", "1"])
     try:
         streams = [Stream(fleet, r, gateway_url=gateway.url) for r in requests]
         for stream in streams:

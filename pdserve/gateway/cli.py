@@ -105,6 +105,9 @@ def _add_rebalance_flags(p: argparse.ArgumentParser) -> None:
                    help="KV use (a fraction of the cache) by which one must exceed the other (default 0.2)")
     p.add_argument("--rebalance-queue-margin", type=float, default=None, metavar="REQUESTS",
                    help="or waiting requests by which one must exceed the other (default 2)")
+    p.add_argument("--rebalance-max-mib-per-s", type=float, default=None, metavar="MIB_PER_S",
+                   help="the pace of a rebalancing move's KV copy, sparing both instances' other requests (default "
+                        "32; 0: unpaced)")
 
 
 def load_config(args: argparse.Namespace) -> GatewayConfig:
@@ -116,7 +119,8 @@ def load_config(args: argparse.Namespace) -> GatewayConfig:
                  "min_prompt_tokens", "prefix_threshold", "tokenizer", "allow_client_kv_params", "otlp_traces_endpoint",
                  "kv_events", "kv_overlap_weight", "kv_store_hit_weight", "kv_index_capacity",
                  "api_key", "instance_api_key", "admin_token", "admin_port", "max_request_body_bytes",
-                 "rebalance", "rebalance_margin", "rebalance_queue_margin", *DISCOVERY_KEYS):
+                 "rebalance", "rebalance_margin", "rebalance_queue_margin", "rebalance_max_mib_per_s",
+                 *DISCOVERY_KEYS):
         value = getattr(args, name)
         if value is not None:
             values[name] = value

@@ -79,6 +79,9 @@ class GatewayConfig:
     rebalance: bool = False  # move requests off a decode instance whose KV use or queue exceeds another's
     rebalance_margin: float = 0.2  # by this much KV use (a fraction of the cache)
     rebalance_queue_margin: float = 2.0  # or by this many waiting requests
+    # A rebalancing move is discretionary, so its KV copy is paced to spare the two instances' other requests
+    # (MiB/s; 0: as fast as the plane goes). A drain's moves are urgent and keep the source's own pace.
+    rebalance_max_mib_per_s: float = 32.0
     discovery: str | None = None  # etcd://HOST:PORT[,...]/PREFIX, k8s[://NAMESPACE], or None: flags and /register
     discovery_relist_s: float = 30.0  # every backend lists the whole membership at least this often
     selector: str | None = None  # k8s: pods that match, their role from labels
@@ -122,8 +125,8 @@ class Gateway:
         self.tracing = make_exporter(config.otlp_traces_endpoint, "pdserve-gateway")
         self.timelines = TimelineStore(self.tracing)
         self.splicer = Splicer(self)
-        self.rebalancer = Rebalancer(self, config.rebalance_margin, config.rebalance_queue_margin) \
-            if config.rebalance else None
+        self.rebalancer = Rebalancer(self, config.rebalance_margin, config.rebalance_queue_margin,
+                                     config.rebalance_max_mib_per_s) if config.rebalance else None
 
     def _kv_routing(self, config: GatewayConfig) -> KVRouting | None:
         if config.policy != KvAware.name:

@@ -20,6 +20,7 @@ from pdserve.migration.splice import takes_migrations
 from pdserve.migration.wire import MODES, MigrateRequest, MigrationError, decode_as, encode
 from pdserve.net.http_client import UpstreamError, UpstreamTimeout
 from pdserve.server.errors import error_body
+from pdserve.utils import pace_bytes_per_s
 
 log = logging.getLogger(__name__)
 ADMIN_PATH = "/admin/migrate"
@@ -91,10 +92,13 @@ class Rebalancer:
     """Every `interval_s`: the decode instance whose KV use (or queue) most exceeds the least loaded one's by the
     margin moves one request there. Load is what the registry scrapes from each instance's /metrics."""
 
-    def __init__(self, gateway: Any, margin: float, queue_margin: float, interval_s: float = 1.0) -> None:
+    def __init__(self, gateway: Any, margin: float, queue_margin: float, max_mib_per_s: float,
+                 interval_s: float = 1.0) -> None:
+        pace_bytes_per_s(max_mib_per_s, "rebalance_max_mib_per_s")  # refused at startup, not at the first move
         self.gateway = gateway
         self.margin = margin
         self.queue_margin = queue_margin
+        self.max_mib_per_s = max_mib_per_s
         self.interval_s = interval_s
         self.moves = Counter("pdserve:gateway_rebalance_moves", "Requests the rebalancer asked to move, by outcome.",
                              ["outcome"], registry=gateway.metrics.prom)
@@ -133,7 +137,8 @@ class Rebalancer:
         queued = source.waiting - target.waiting > self.queue_margin and target.waiting == 0
         share = 1.0 if queued else max(source.kv_usage - target.kv_usage, 0.0) / 2
         try:
-            status, answer = await ask_source(source, MigrateRequest(to=target.url, count=1, max_share=share))
+            status, answer = await ask_source(source, MigrateRequest(to=target.url, count=1, max_share=share,
+                                                                         max_mib_per_s=self.max_mib_per_s))
         except MigrationError as exc:
             status, answer = exc.status, None
         outcomes = [r.get("outcome", "?") for r in answer.get("data", [])] if status == 200 else [f"status_{status}"]
