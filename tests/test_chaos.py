@@ -23,7 +23,10 @@ from server_utils import metric_values, sse_events, wait_for, wait_for_gateway_t
 COMMON = ["--max-model-len", "512", "--num-kv-blocks", "192", "--served-model-name", "tiny",
           "--max-num-batched-tokens", "32"]
 PROTOCOLS = ["pull", "push", "decode-first"]
-SLOW_STEPS = {"fault_injection": {"step_delay_s": 0.05}}  # slow steps, so a kill lands mid-prefill
+SLOW_STEPS = {"fault_injection": {"step_delay_s": 0.05}}  # slow steps, so a kill lands mid-decode
+# A prefill of 200 tokens in chunks of 32 takes 7 steps: at 0.25 s each the P runs it for ~2 s, long enough for a
+# test polling two instances' /metrics on a loaded box to see it (at 0.05 s the ~0.4 s went by unseen).
+SLOW_PREFILL = {"fault_injection": {"step_delay_s": 0.25}}
 
 
 def kv(role: str, **extra) -> str:
@@ -97,7 +100,7 @@ def in_background(fn, *args):
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_kill_prefill_during_prefill(models, protocol):
     # Both Ps slow: the gateway picks either, and the one that runs the leg is the one killed.
-    with cluster(models, {"P1": SLOW_STEPS, "P2": SLOW_STEPS}, {"D1": {}}, protocol, "--retries", "1") as procs:
+    with cluster(models, {"P1": SLOW_PREFILL, "P2": SLOW_PREFILL}, {"D1": {}}, protocol, "--retries", "1") as procs:
         b = body(list(range(200, 400)))  # 200 tokens, a dozen slow steps
         reference = answer(procs["C"].url, b).json()
         thread, result = in_background(answer, procs["G"].url, b)
