@@ -152,11 +152,8 @@ class Listener:
             log.warning("KV events from %s: %s", sub.member, exc)
 
     def _apply_commands(self) -> None:
-        while True:
-            try:
-                wanted = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        while not self._commands.empty():  # only this thread takes from the queue: a non-empty one has an item
+            wanted = self._commands.get_nowait()
             for name in [n for n, s in self._subs.items() if wanted.get(n) != s.address]:
                 self._close(self._subs.pop(name))
                 self.index.drop(name)
@@ -301,11 +298,10 @@ class Listener:
 
     # -- live batches ------------------------------------------------------------------------------------
     def _drain_live(self, sub: _Subscription) -> None:
-        while True:
-            try:
-                frames = sub.sub.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        # The socket is asked whether a message waits rather than left to fail a receive: pyzmq builds an exception
+        # (its errno turned into an enum, its message looked up) for every failed receive, once per batch here.
+        while sub.sub.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            frames = sub.sub.recv_multipart(zmq.NOBLOCK)
             if len(frames) != 3 or len(frames[1]) != 8:
                 sub.counters.decode_errors += 1
                 continue
