@@ -25,6 +25,7 @@ hash-sticky `prefix_aware` can exceed it.
     .venv/bin/python bench/routing.py --quick                                   # smoke run (~3 min)
     .venv/bin/python bench/routing.py --rounds 2 --json bench/out/routing.json   # the table in docs/benchmarks.md
     .venv/bin/python bench/routing.py --policies prefix_aware,kv_aware@1,kv_aware@4   # kv_aware@W: --kv-overlap-weight W
+    .venv/bin/python bench/routing.py --base DIR --policies round_robin,kv_aware,base:round_robin,base:kv_aware
 
 Targets (shared and multiturn): kv_aware p90 TTFT <= 0.5x round_robin and <= 0.8x vllm-router cache_aware,
 throughput >= 1.2x round_robin; unique: kv_aware throughput >= 0.95x least_loaded; hit tokens >= 90 % of the
@@ -202,9 +203,16 @@ def hit_tokens(client: Any, urls: list[str]) -> float:
 
 # ----------------------------------------------------------------------------- routers
 def start_router(policy: str, topology: str, insts: dict[str, Any], model: Path, servers: H.Servers,
-                 cleanup: H.Cleanup, explain: bool = False) -> tuple[str, int, Any, Path | None]:
-    """(url, pid whose process tree is the router, a stopper, the log kv_aware explains its picks in)."""
+                 cleanup: H.Cleanup, explain: bool = False, base: str | None = None
+                 ) -> tuple[str, int, Any, Path | None]:
+    """(url, pid whose process tree is the router, a stopper, the log kv_aware explains its picks in). A policy
+    named `base:POLICY` runs POLICY in the gateway of the checkout `base`."""
     colocated = topology == "colocated"
+    root = None
+    if policy.startswith("base:"):
+        if not base:
+            raise ValueError(f"{policy} wants --base DIR")
+        root, policy = base, policy.removeprefix("base:")
     policy, _, weight = policy.partition("@")
     if policy.startswith("vllm-router"):
         port = H.free_port()
@@ -225,8 +233,12 @@ def start_router(policy: str, topology: str, insts: dict[str, Any], model: Path,
                 insts["D2"].url])
     explained = explain and policy == "kv_aware"
     tuned = ["--kv-overlap-weight", weight] if weight else []
-    gw = servers.gateway(f"gw-{policy}{weight}", *members, "--policy", policy, "--tokenizer", str(model), *tuned,
-                         "--disable-log-requests", log_level="debug" if explained else "warning")
+    # `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH: a base gateway runs in its own
+    # checkout (`env` execs it, so its PID is still the one measured).
+    wrap = ["env", f"--chdir={root}", f"PYTHONPATH={root}"] if root else None
+    gw = servers.gateway(f"gw-{'base-' if root else ''}{policy}{weight}", *members, "--policy", policy, "--tokenizer",
+                         str(model), *tuned, "--disable-log-requests", log_level="debug" if explained else "warning",
+                         wrap=wrap)
     if policy == "kv_aware":
         wait_live(gw.url, len(insts))
     return gw.url, gw.pid, gw.stop, gw.log_path if explained else None
@@ -280,7 +292,8 @@ def measure(args: argparse.Namespace, topology: str, model: Path, tokenizer: Any
     listed = args.policies.split(",")
     for rnd, policies in H.rotations(listed, args.rounds):
         for policy in policies:
-            url, pid, stop, log_path = start_router(policy, topology, insts, model, servers, cleanup, args.explain)
+            url, pid, stop, log_path = start_router(policy, topology, insts, model, servers, cleanup, args.explain,
+                                                      args.base)
             for w in workloads:
                 logged = log_path.stat().st_size if log_path else 0
                 out = measure_one(url, pid, holders, client, build(w, args.shape), args,
@@ -356,12 +369,17 @@ def checks(table: dict[str, dict[str, dict[str, float]]]) -> list[tuple[str, flo
             out.append((f"{w}: kv_aware / cache_aware p90 TTFT", kv["p90_ms"] / ca["p90_ms"], "<= 0.8",
                         kv["p90_ms"] / ca["p90_ms"] <= 0.8))
     for w, row in table.items():
-        kv, rr = row.get("kv_aware"), row.get("round_robin")
+        kv = row.get("kv_aware")
         if kv and w != "unique":
             out.append((f"{w}: kv_aware hit tokens / offline bound", kv["hit_frac"], ">= 0.9", kv["hit_frac"] >= 0.9))
-        if kv and rr:
-            out.append((f"{w}: kv_aware / round_robin gateway CPU per request", kv["cpu_us"] / rr["cpu_us"], "<= 1.3",
-                        kv["cpu_us"] / rr["cpu_us"] <= 1.3))
+        for prefix in ("", "base:"):  # this checkout's gateway, and --base's beside it
+            kv, rr = row.get(prefix + "kv_aware"), row.get(prefix + "round_robin")
+            if kv and rr:
+                out.append((f"{w}: {prefix}kv_aware / {prefix}round_robin gateway CPU per request",
+                            kv["cpu_us"] / rr["cpu_us"], "<= 1.3", kv["cpu_us"] / rr["cpu_us"] <= 1.3))
+        for policy in [p for p in row if "base:" + p in row]:
+            ratio = row[policy]["cpu_us"] / row["base:" + policy]["cpu_us"]
+            out.append((f"{w}: {policy} gateway CPU per request, this checkout / --base", ratio, "< 1", ratio < 1))
     row = table.get("unique", {})
     if "kv_aware" in row and "least_loaded" in row:
         ratio = row["kv_aware"]["req_s"] / row["least_loaded"]["req_s"]
@@ -394,6 +412,8 @@ def main() -> int:
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
     p.add_argument("--explain", action="store_true", help="kv_aware's gateway logs each pick (debug), and each run "
                    "tallies them against the instances' hits (its CPU figures are then not comparable)")
+    p.add_argument("--base", default=None, help="a checkout (an older pdserve) whose gateway runs beside this "
+                   "one's: `base:POLICY` in --policies runs POLICY there, in the same rounds")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     args.shape = Shape(**{name: getattr(args, name) for name in vars(Shape())})

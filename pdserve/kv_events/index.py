@@ -97,18 +97,29 @@ class PrefixIndex:
         with self._lock:
             state = self._members.setdefault(member, _Member())
             store = self._members.setdefault(state.store, _Member()) if state.store is not None else None
-            for event in events:
-                name = type(event).__name__
-                self.stats.events[name] = self.stats.events.get(name, 0) + 1
-                if isinstance(event, AllBlocksCleared):  # the engine's cache; a store it writes keeps its blocks
-                    self._clear(member, state)
-                    continue
-                to_store = store is not None and event.medium == MEDIUM_STORAGE
-                who, where = (state.store, store) if to_store else (member, state)
-                if isinstance(event, BlockStored):
-                    self._stored(who, where, event)
-                elif isinstance(event, BlockRemoved):
-                    self._removed(who, where, event.block_hashes, event.medium)
+            removed = stored = cleared = 0  # counted per batch: an engine sends one BlockRemoved per evicted block
+            try:
+                for event in events:
+                    if isinstance(event, BlockRemoved):
+                        removed += 1
+                        if store is not None and event.medium == MEDIUM_STORAGE:
+                            self._removed(state.store, store, event.block_hashes, event.medium)
+                        else:
+                            self._removed(member, state, event.block_hashes, event.medium)
+                    elif isinstance(event, BlockStored):
+                        stored += 1
+                        if store is not None and event.medium == MEDIUM_STORAGE:
+                            self._stored(state.store, store, event)
+                        else:
+                            self._stored(member, state, event)
+                    elif isinstance(event, AllBlocksCleared):  # the engine's cache; a store it writes keeps its blocks
+                        cleared += 1
+                        self._clear(member, state)
+            finally:
+                counts = self.stats.events
+                for name, n in (("BlockStored", stored), ("BlockRemoved", removed), ("AllBlocksCleared", cleared)):
+                    if n:
+                        counts[name] = counts.get(name, 0) + n
 
     def join(self, member: str, block_size: int | None = None, store: str | None = None) -> None:
         """`member`'s events are flowing: score it (before its first event, by the block size it announced), and
@@ -165,7 +176,8 @@ class PrefixIndex:
             return
         state.block_size = bs
         step = bs * 4
-        blocks, guesses = state.blocks, state.speculative
+        blocks, guesses, lru = state.blocks, state.speculative, self._lru
+        by_key = self._holders.setdefault(bs, {})
         for i, block_hash in enumerate(event.block_hashes):  # the hot loop of event handling: kept flat
             parent_key = xxh3_64_intdigest(data[i * step:(i + 1) * step], parent_key)
             ekey = block_hash & _U64 if type(block_hash) is int else bytes(block_hash)
@@ -174,12 +186,26 @@ class PrefixIndex:
                 if entry is not None:
                     self._forget(member, state, ekey)
                 entry = blocks[ekey] = _Entry(parent_key, bs)
-            self._add_copy(member, ekey, entry, device, trim=False)
+            # One copy more, as `_add_copy` adds it, inlined: this runs for every block an engine stores.
+            if device:
+                entry.device += 1
+            else:
+                entry.offload += 1
+            keyed = by_key if entry.block_size == bs else self._holders.setdefault(entry.block_size, {})
+            holders = keyed.get(parent_key)
+            if holders is None:
+                holders = keyed[parent_key] = {}
+            holders[member] = 1.0 if entry.device else self.offload_weight
+            lru_key = (member, ekey)
+            if lru_key in lru:
+                lru.move_to_end(lru_key)
+            else:
+                lru[lru_key] = None
             if guesses and guesses.pop((bs, parent_key), None) is not None:
                 self._unguess(member, bs, parent_key)
         self._trim()
 
-    def _add_copy(self, member: str, ekey: EngineHash, entry: _Entry, device: bool, trim: bool = True) -> None:
+    def _add_copy(self, member: str, ekey: EngineHash, entry: _Entry, device: bool) -> None:
         if device:
             entry.device += 1
         else:
@@ -196,8 +222,7 @@ class PrefixIndex:
             self._lru.move_to_end(lru_key)
         else:
             self._lru[lru_key] = None
-        if trim:
-            self._trim()
+        self._trim()
 
     def _trim(self) -> None:
         while len(self._lru) > self.capacity:
@@ -207,26 +232,28 @@ class PrefixIndex:
 
     def _removed(self, member: str, state: _Member, hashes: list[EngineHash], medium: str | None) -> None:
         device = medium in (None, MEDIUM_DEVICE)
-        for block_hash in hashes:
-            ekey = engine_key(block_hash)
-            entry = state.blocks.get(ekey)
+        blocks = state.blocks
+        for block_hash in hashes:  # `engine_key` inlined: an engine sends a removal for every block it evicts
+            ekey = block_hash & _U64 if isinstance(block_hash, int) else bytes(block_hash)
+            entry = blocks.get(ekey)
             if entry is None:
                 continue
             if device:
-                entry.device = max(0, entry.device - 1)
-            else:
-                entry.offload = max(0, entry.offload - 1)
-            if entry.device == entry.offload == 0:
-                self._forget(member, state, ekey)
-            else:
+                if entry.device:
+                    entry.device -= 1
+            elif entry.offload:
+                entry.offload -= 1
+            if entry.device or entry.offload:
                 self._holders[entry.block_size][entry.key][member] = 1.0 if entry.device else self.offload_weight
+            else:
+                self._forget(member, state, ekey)
 
     def _forget(self, member: str, state: _Member, ekey: EngineHash, in_lru: bool = True) -> None:
         entry = state.blocks.pop(ekey)
         if in_lru:
             self._lru.pop((member, ekey), None)
-        by_key = self._holders.get(entry.block_size, {})
-        holders = by_key.get(entry.key)
+        by_key = self._holders.get(entry.block_size)
+        holders = by_key.get(entry.key) if by_key is not None else None
         if holders is not None:
             holders.pop(member, None)
             if not holders:
@@ -258,29 +285,29 @@ class PrefixIndex:
         """For each member, its credited blocks over the longest run of `keys` from the start it holds (itself,
         or in the store it reads)."""
         credit = dict.fromkeys(members, 0.0)
-        alive = set(members)
         now = time.monotonic()
         with self._lock:
-            stores = {m: s.store for m in members if (s := self._members.get(m)) is not None and s.store is not None}
             holders_by_key = self._holders.get(block_size, {})
             guesses_by_key = self._speculative.get(block_size, {})
-            for key in keys:
-                holders = holders_by_key.get(key, {})
-                guesses = guesses_by_key.get(key, {})
-                for member in list(alive):
-                    weight = holders.get(member)
-                    if weight is None and guesses.get(member, 0.0) > now:
-                        weight = 1.0
-                    if stores and (weight is None or weight < 1.0):
-                        stored = holders.get(stores.get(member))
+            for member in credit:  # each member's run from the start, walked until its first miss
+                state = self._members.get(member)
+                store = state.store if state is not None else None
+                total = 0.0
+                for key in keys:
+                    holders = holders_by_key.get(key)
+                    weight = holders.get(member) if holders is not None else None
+                    if weight is None:
+                        guesses = guesses_by_key.get(key)
+                        if guesses is not None and guesses.get(member, 0.0) > now:
+                            weight = 1.0
+                    if store is not None and holders is not None and (weight is None or weight < 1.0):
+                        stored = holders.get(store)
                         if stored is not None and (weight is None or stored > weight):
                             weight = stored
                     if weight is None:
-                        alive.discard(member)
-                    else:
-                        credit[member] += weight
-                if not alive:
-                    break
+                        break
+                    total += weight
+                credit[member] = total
         return credit
 
     def credit(self, member: str, keys: list[int], block_size: int) -> None:

@@ -39,6 +39,8 @@ _MAX_WAIT_S = 1.0  # the thread sleeps until a socket, a command or its next dea
 _SWEEP_S = 1.0
 _MAX_HELD = 10_000  # live batches kept while a replay runs; past it the replay starts over
 _END_SEQ = -1
+# A plain int: pyzmq's flag enum would run Python code on every `&` of a socket's EVENTS with it.
+_POLLIN = int(zmq.POLLIN)
 
 
 @dataclass
@@ -152,11 +154,8 @@ class Listener:
             log.warning("KV events from %s: %s", sub.member, exc)
 
     def _apply_commands(self) -> None:
-        while True:
-            try:
-                wanted = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        while not self._commands.empty():  # only this thread takes from the queue: a non-empty one has an item
+            wanted = self._commands.get_nowait()
             for name in [n for n, s in self._subs.items() if wanted.get(n) != s.address]:
                 self._close(self._subs.pop(name))
                 self.index.drop(name)
@@ -301,11 +300,10 @@ class Listener:
 
     # -- live batches ------------------------------------------------------------------------------------
     def _drain_live(self, sub: _Subscription) -> None:
-        while True:
-            try:
-                frames = sub.sub.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        # The socket is asked whether a message waits rather than left to fail a receive: pyzmq builds an exception
+        # (its errno turned into an enum, its message looked up) for every failed receive, once per batch here.
+        while sub.sub.getsockopt(zmq.EVENTS) & _POLLIN:
+            frames = sub.sub.recv_multipart(zmq.NOBLOCK)
             if len(frames) != 3 or len(frames[1]) != 8:
                 sub.counters.decode_errors += 1
                 continue
