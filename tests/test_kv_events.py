@@ -104,6 +104,20 @@ def test_copies_are_counted_and_tiers_credited_by_weight():
     assert held(index, tokens, BS, "a") == 1
 
 
+def test_the_same_tokens_under_two_engine_hashes_stay_held_until_both_go():
+    """An engine may hold one content under two hashes (another cache salt or LoRA adapter): removing one leaves
+    the instance holding the tokens, and removing the other (with copies left) does not break the index."""
+    index = PrefixIndex()
+    tokens = list(range(8))
+    index.apply("a", [stored([1, 2], None, tokens), stored([11, 12], None, tokens), stored([12], 11, tokens[4:])])
+    index.apply("a", [BlockRemoved(block_hashes=[2], medium="GPU")])
+    assert held(index, tokens, BS, "a") == 2  # block 12 still holds the second block's tokens
+    index.apply("a", [BlockRemoved(block_hashes=[12], medium="GPU")])  # one of its two copies
+    assert held(index, tokens, BS, "a") == 2
+    index.apply("a", [BlockRemoved(block_hashes=[12], medium="GPU")])
+    assert held(index, tokens, BS, "a") == 1 and index.held_blocks()["a"] == 2
+
+
 def test_a_shared_stores_blocks_are_credited_to_its_readers_and_outlive_their_writer():
     """"STORAGE" blocks of an instance that announced a store belong to the store: every reader of that store is
     credited at the store weight (its own device copy counts whole), an instance of no store or another store

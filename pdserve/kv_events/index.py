@@ -67,6 +67,9 @@ class _Member:
     blocks: dict[EngineHash, _Entry] = field(default_factory=dict)
     block_size: int = 0  # of its latest BlockStored: what its prompts are scored in
     speculative: dict[tuple[int, int], float] = field(default_factory=dict)  # (block size, key) -> expiry
+    # Entries per content key: an engine may hold the same tokens under two hashes (another cache salt or LoRA
+    # adapter), and stays a holder of that content until the last of them goes.
+    entries_of: dict[tuple[int, int], int] = field(default_factory=dict)
     store: str | None = None  # the member name of the shared store it reads and writes, if it announced one
 
 
@@ -186,6 +189,7 @@ class PrefixIndex:
                 if entry is not None:
                     self._forget(member, state, ekey)
                 entry = blocks[ekey] = _Entry(parent_key, bs)
+                state.entries_of[(bs, parent_key)] = state.entries_of.get((bs, parent_key), 0) + 1
             # One copy more, as `_add_copy` adds it, inlined: this runs for every block an engine stores.
             if device:
                 entry.device += 1
@@ -244,7 +248,8 @@ class PrefixIndex:
             elif entry.offload:
                 entry.offload -= 1
             if entry.device or entry.offload:
-                self._holders[entry.block_size][entry.key][member] = 1.0 if entry.device else self.offload_weight
+                holders = self._holders.setdefault(entry.block_size, {}).setdefault(entry.key, {})
+                holders[member] = 1.0 if entry.device else self.offload_weight
             else:
                 self._forget(member, state, ekey)
 
@@ -252,6 +257,11 @@ class PrefixIndex:
         entry = state.blocks.pop(ekey)
         if in_lru:
             self._lru.pop((member, ekey), None)
+        content = (entry.block_size, entry.key)
+        left = state.entries_of.pop(content) - 1
+        if left:
+            state.entries_of[content] = left
+            return  # another of its entries holds these tokens: it still holds them
         by_key = self._holders.get(entry.block_size)
         holders = by_key.get(entry.key) if by_key is not None else None
         if holders is not None:

@@ -349,7 +349,13 @@ class Listener:
             self.index.clear(sub.member)
             return
         sub.counters.batches += 1
-        self.index.apply(sub.member, batch.events)
+        try:
+            self.index.apply(sub.member, batch.events)
+        except Exception:  # noqa: BLE001 - a batch the index cannot apply must not stop this thread for every member
+            sub.counters.decode_errors += 1
+            log.exception("KV event batch %d from %s could not be applied: its entries are dropped", seq, sub.member)
+            self.index.clear(sub.member)
+            return
         if sub.state == "live":
             self._quiet_from_now(sub)
 
