@@ -13,7 +13,7 @@ from pdserve.gateway.admin import ADMIN_PATHS, kind, membership
 from pdserve.gateway.service import Gateway
 from pdserve.ids import new_external_request_id
 from pdserve.net.auth import AccessGuard, AccessPolicy
-from pdserve.net.front import STATE_KEY, Front
+from pdserve.net.front import STATE_KEY, AccessRecord, Front
 from pdserve.net.json_body import BodyError, decode_object
 from pdserve.net.body import BodyTooLarge, read_body
 from pdserve.server.errors import error_body
@@ -35,30 +35,12 @@ async def _error(send: Any, status: int, message: str) -> None:
     await _respond(send, status, _encode(error_body(status, message)))
 
 
-_SSE_END = b"data: [DONE]\n\n"
-
-
-class _ResponseTracker:
-    """Wraps the ASGI send to know whether the client already has its whole answer: the last body part went
-    out, or, for a stream, its [DONE] event did (clients hang up right after it, before the body's end)."""
-
-    def __init__(self, send: Any) -> None:
-        self._send = send
-        self.complete = False
-
-    async def __call__(self, message: dict) -> None:
-        await self._send(message)
-        if message["type"] == "http.response.body" and (
-                not message.get("more_body", False) or message.get("body", b"").endswith(_SSE_END)):
-            self.complete = True
-
-
 # Most answers are out before this: watching for the client to leave starts only after it, so that a quick
 # request never pays for a watcher task (a client that left sooner is noticed this much later).
 WATCH_AFTER_S = 0.05
 
 
-async def _until_disconnect(receive: Any, work: Any, response: _ResponseTracker) -> None:
+async def _until_disconnect(receive: Any, work: Any, response: AccessRecord) -> None:
     """Run the proxying; if the client leaves first, cancel it (which cancels the legs and frees held KV).
 
     The work runs in the server's own task; a watcher task, started once the request outlived WATCH_AFTER_S,
@@ -83,7 +65,7 @@ async def _until_disconnect(receive: Any, work: Any, response: _ResponseTracker)
             watcher.cancel()
 
 
-async def _cancel_on_disconnect(receive: Any, task: asyncio.Task, response: _ResponseTracker) -> bool:
+async def _cancel_on_disconnect(receive: Any, task: asyncio.Task, response: AccessRecord) -> bool:
     """True when it cancelled `task`: the client left before its whole answer went out."""
     while (await receive())["type"] != "http.disconnect":
         pass
@@ -130,7 +112,8 @@ def build_app(gateway: Gateway, access: AccessPolicy | None = None, log_requests
 
 async def _proxy(gateway: Gateway, scope: dict, receive: Any, send: Any, path: str) -> None:
     request_id = _header(scope, b"x-request-id") or new_external_request_id()
-    scope["state"][STATE_KEY].request_id = request_id  # for the access log, even if the body is refused
+    record = scope["state"][STATE_KEY]  # Front's: it knows when the whole answer went out (`complete`)
+    record.request_id = request_id  # for the access log, even if the body is refused
     try:
         raw = await read_body(scope, receive, gateway.config.max_request_body_bytes)
     except ConnectionAbortedError:
@@ -145,9 +128,8 @@ async def _proxy(gateway: Gateway, scope: dict, receive: Any, send: Any, path: s
         return
     if "kv_transfer_params" in body and not gateway.config.allow_client_kv_params:
         del body["kv_transfer_params"]  # only the gateway decides where KV comes from
-    response = _ResponseTracker(send)
-    work = gateway.handle(path, body, request_id, response, _header(scope, b"traceparent"))
-    await _until_disconnect(receive, work, response)
+    work = gateway.handle(path, body, request_id, send, _header(scope, b"traceparent"))
+    await _until_disconnect(receive, work, record)
 
 
 async def _timeline(gateway: Gateway, send: Any, request_id: str) -> None:

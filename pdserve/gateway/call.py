@@ -81,6 +81,7 @@ class GatewayHandle(Protocol):
     conditional: ConditionalDisagg
 
     wants_prompt: bool  # whether picking needs the prompt's token ids
+    wants_affinity: bool  # whether picking reads the prompt's prefix
 
     def pick(self, role: str, excluded: set[str], affinity: bytes, partner: Instance | None = None,
              prompt: RoutedPrompt | None = None) -> Instance: ...
@@ -152,7 +153,8 @@ class Call:
     def pick(self, role: str, partner: Instance | None = None) -> Instance:
         """An instance for `role`; `partner`: the other half of the pair, which it must be able to talk to."""
         prompt = self.routed_prompt() if self.gateway.wants_prompt else None
-        instance = self.gateway.pick(role, self.excluded, self.affinity(), partner, prompt)
+        affinity = self.affinity() if self.gateway.wants_affinity else b""
+        instance = self.gateway.pick(role, self.excluded, affinity, partner, prompt)
         self.picks[role] = instance
         return instance
 

@@ -170,7 +170,7 @@ async def _serve(gateway: Gateway, sock: Any, admin_sock: Any, log_level: str, l
     try:
         await serve_announced(build_app(gateway, access, log_requests), sock, log_level, {
             "role": "gateway", "protocol": gateway.config.protocol, "scheduling": gateway.config.scheduling},
-            admin_sock)
+            admin_sock, proxy_headers=False)
     finally:
         await gateway.stop()
     return 0

@@ -25,18 +25,40 @@ _encode = msgspec.json.Encoder().encode
 # Polled by load balancers and scrapers every few seconds: not worth a log line each.
 _QUIET_PATHS = frozenset({"/health", "/metrics"})
 STATE_KEY = "pdserve_access"
+_SSE_END = b"data: [DONE]\n\n"
 
 
 @dataclass(slots=True)
 class AccessRecord:
-    """What the access log says about one request; a route fills in what only it knows."""
+    """What the access log says about one request (a route fills in what only it knows), and the one wrapper of
+    the server's `send` its app writes through: every response message passes here once, whatever layer reads it."""
 
     method: str
     path: str
     started: float
+    downstream: Any  # the server's send
     status: int = 0
     request_id: str = "-"
     usage: Callable[[], dict[str, Any]] | None = None  # token counts, read when the response ended
+    # The client has its whole answer: the last body part went out, or, for a stream, its [DONE] event did (clients
+    # hang up right after it, before the body's end). A route that watches for the client leaving reads it.
+    complete: bool = False
+
+    async def send(self, message: dict) -> None:
+        kind = message["type"]
+        if kind == "http.response.start":
+            self.status = message["status"]
+            for key, value in message.get("headers", ()):
+                if key.lower() == b"x-request-id":
+                    self.request_id = value.decode("latin-1")
+                if len(value) > MAX_HEADER_VALUE_BYTES:
+                    message = {**message, "headers": bound_headers(message["headers"])}
+            await self.downstream(message)
+            return
+        await self.downstream(message)
+        if kind == "http.response.body" and (
+                not message.get("more_body", False) or message.get("body", b"").endswith(_SSE_END)):
+            self.complete = True
 
     def line(self) -> str:
         parts = [f"{self.method} {self.path} {self.status} {time.monotonic() - self.started:.3f}s "
@@ -58,25 +80,15 @@ class Front:
             await self.app(scope, receive, send)
             return
         scope["headers"] = _clean_headers(scope["headers"])
-        record = AccessRecord(scope["method"], scope["path"], time.monotonic())
+        record = AccessRecord(scope["method"], scope["path"], time.monotonic(), send)
         scope.setdefault("state", {})[STATE_KEY] = record
 
-        async def tracking_send(message: dict) -> None:
-            if message["type"] == "http.response.start":
-                record.status = message["status"]
-                for key, value in message.get("headers", ()):
-                    if key.lower() == b"x-request-id":
-                        record.request_id = value.decode("latin-1")
-                    if len(value) > MAX_HEADER_VALUE_BYTES:
-                        message = {**message, "headers": bound_headers(message["headers"])}
-            await send(message)
-
         try:
-            await self.app(scope, receive, tracking_send)
+            await self.app(scope, receive, record.send)
         except Exception as exc:  # noqa: BLE001 - the one place an unexpected error is logged and answered
             log.exception("unexpected error on %s %s", record.method, record.path)
             if not record.status:
-                await _internal_error(tracking_send, type(exc).__name__)
+                await _internal_error(record.send, type(exc).__name__)
         finally:
             # An app that returned without answering saw its client leave (nginx's 499).
             record.status = record.status or 499
