@@ -296,9 +296,11 @@ class Call:
 
         `key` tells apart legs of one kind that run at once (several images encoded in parallel).
         """
-        trace = self.timeline.trace if self.timeline is not None else None
-        if trace is None:
-            self.mark("leg_start", leg=leg, url=instance.url)
+        timeline = self.timeline
+        trace = timeline.trace if timeline is not None else None
+        if trace is None:  # tracing off: the event alone, recorded straight into the timeline
+            if timeline is not None:
+                timeline.record("leg_start", {"leg": leg, "url": instance.url})
             return []
         span_id = new_span_id()
         self.mark("leg_start", leg=leg, url=instance.url, span_id=span_id)
@@ -306,9 +308,10 @@ class Call:
         return [(b"traceparent", trace.traceparent_for(span_id).encode())]
 
     def leg_ended(self, leg: str, instance: Instance, status: int, key: str | None = None) -> None:
-        span_id = self._leg_spans.pop(key or leg, None)
+        span_id = self._leg_spans.pop(key or leg, None) if self._leg_spans else None
         if span_id is None:
-            self.mark("leg_end", leg=leg, url=instance.url, status=status)
+            if self.timeline is not None:
+                self.timeline.record("leg_end", {"leg": leg, "url": instance.url, "status": status})
         else:
             self.mark("leg_end", leg=leg, url=instance.url, status=status, span_id=span_id)
 
