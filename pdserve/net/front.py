@@ -30,35 +30,17 @@ _SSE_END = b"data: [DONE]\n\n"
 
 @dataclass(slots=True)
 class AccessRecord:
-    """What the access log says about one request (a route fills in what only it knows), and the one wrapper of
-    the server's `send` its app writes through: every response message passes here once, whatever layer reads it."""
+    """What the access log says about one request; a route fills in what only it knows."""
 
     method: str
     path: str
     started: float
-    downstream: Any  # the server's send
     status: int = 0
     request_id: str = "-"
     usage: Callable[[], dict[str, Any]] | None = None  # token counts, read when the response ended
     # The client has its whole answer: the last body part went out, or, for a stream, its [DONE] event did (clients
     # hang up right after it, before the body's end). A route that watches for the client leaving reads it.
     complete: bool = False
-
-    async def send(self, message: dict) -> None:
-        kind = message["type"]
-        if kind == "http.response.start":
-            self.status = message["status"]
-            for key, value in message.get("headers", ()):
-                if key.lower() == b"x-request-id":
-                    self.request_id = value.decode("latin-1")
-                if len(value) > MAX_HEADER_VALUE_BYTES:
-                    message = {**message, "headers": bound_headers(message["headers"])}
-            await self.downstream(message)
-            return
-        await self.downstream(message)
-        if kind == "http.response.body" and (
-                not message.get("more_body", False) or message.get("body", b"").endswith(_SSE_END)):
-            self.complete = True
 
     def line(self) -> str:
         parts = [f"{self.method} {self.path} {self.status} {time.monotonic() - self.started:.3f}s "
@@ -80,15 +62,34 @@ class Front:
             await self.app(scope, receive, send)
             return
         scope["headers"] = _clean_headers(scope["headers"])
-        record = AccessRecord(scope["method"], scope["path"], time.monotonic(), send)
+        record = AccessRecord(scope["method"], scope["path"], time.monotonic())
         scope.setdefault("state", {})[STATE_KEY] = record
 
+        # The one wrapper of the server's send: every response message passes here once, whatever layer reads it.
+        # A closure, not a method of the record: the record is in the scope, which the server's send holds, and a
+        # record holding that send would make every request a reference cycle left to the garbage collector.
+        async def tracking_send(message: dict) -> None:
+            kind = message["type"]
+            if kind == "http.response.start":
+                record.status = message["status"]
+                for key, value in message.get("headers", ()):
+                    if key.lower() == b"x-request-id":
+                        record.request_id = value.decode("latin-1")
+                    if len(value) > MAX_HEADER_VALUE_BYTES:
+                        message = {**message, "headers": bound_headers(message["headers"])}
+                await send(message)
+                return
+            await send(message)
+            if kind == "http.response.body" and (
+                    not message.get("more_body", False) or message.get("body", b"").endswith(_SSE_END)):
+                record.complete = True
+
         try:
-            await self.app(scope, receive, record.send)
+            await self.app(scope, receive, tracking_send)
         except Exception as exc:  # noqa: BLE001 - the one place an unexpected error is logged and answered
             log.exception("unexpected error on %s %s", record.method, record.path)
             if not record.status:
-                await _internal_error(record.send, type(exc).__name__)
+                await _internal_error(tracking_send, type(exc).__name__)
         finally:
             # An app that returned without answering saw its client leave (nginx's 499).
             record.status = record.status or 499
