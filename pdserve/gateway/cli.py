@@ -172,8 +172,8 @@ async def _serve(gateway: Gateway, sock: Any, admin_sock: Any, log_level: str, l
     freeze_startup_objects()
     # A proxied request holds a few dozen container objects while in flight, freed by their reference counts when it
     # ends; at the default threshold the swings of 32 requests in flight ran a young collection every ~40 requests,
-    # each walking every in-flight request's objects. Measured at c=32 over 26k requests (bench gcstat, 2026-11-28):
-    # 9 µs of collection per request at 700, 2 µs at 10,000, with the same objects collected (benchmarks §12).
+    # each walking every in-flight request's objects. Measured at c=32 (gc.callbacks, 2026-11-28): 9 µs of
+    # collection per request at 700, 2.5 µs at 10,000, with no more garbage found either way (docs/decisions.md).
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
     try:
         await serve_announced(build_app(gateway, access, log_requests), sock, log_level, {
