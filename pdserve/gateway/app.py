@@ -13,8 +13,9 @@ from pdserve.gateway.admin import ADMIN_PATHS, kind, membership
 from pdserve.gateway.service import Gateway
 from pdserve.ids import new_external_request_id
 from pdserve.net.auth import AccessGuard, AccessPolicy
-from pdserve.net.front import STATE_KEY, Front
+from pdserve.net.front import STATE_KEY, AccessRecord, Front
 from pdserve.net.json_body import BodyError, decode_object
+from pdserve.net.sweeper import Sweeper
 from pdserve.net.body import BodyTooLarge, read_body
 from pdserve.server.errors import error_body
 
@@ -35,30 +36,13 @@ async def _error(send: Any, status: int, message: str) -> None:
     await _respond(send, status, _encode(error_body(status, message)))
 
 
-_SSE_END = b"data: [DONE]\n\n"
-
-
-class _ResponseTracker:
-    """Wraps the ASGI send to know whether the client already has its whole answer: the last body part went
-    out, or, for a stream, its [DONE] event did (clients hang up right after it, before the body's end)."""
-
-    def __init__(self, send: Any) -> None:
-        self._send = send
-        self.complete = False
-
-    async def __call__(self, message: dict) -> None:
-        await self._send(message)
-        if message["type"] == "http.response.body" and (
-                not message.get("more_body", False) or message.get("body", b"").endswith(_SSE_END)):
-            self.complete = True
-
-
-# Most answers are out before this: watching for the client to leave starts only after it, so that a quick
-# request never pays for a watcher task (a client that left sooner is noticed this much later).
+# Most answers are out before this: watching for the client to leave starts only after it (and before twice it:
+# the app's sweeper checks every WATCH_AFTER_S), so that a quick request never pays for a watcher task, nor for a
+# timer of its own (a client that left sooner is noticed that much later).
 WATCH_AFTER_S = 0.05
 
 
-async def _until_disconnect(receive: Any, work: Any, response: _ResponseTracker) -> None:
+async def _until_disconnect(receive: Any, work: Any, response: AccessRecord, watch: Sweeper) -> None:
     """Run the proxying; if the client leaves first, cancel it (which cancels the legs and frees held KV).
 
     The work runs in the server's own task; a watcher task, started once the request outlived WATCH_AFTER_S,
@@ -68,7 +52,7 @@ async def _until_disconnect(receive: Any, work: Any, response: _ResponseTracker)
     task = asyncio.current_task()
     loop = asyncio.get_running_loop()
     watchers: list[asyncio.Task] = []
-    timer = loop.call_later(WATCH_AFTER_S, lambda: watchers.append(
+    watch.add(task, WATCH_AFTER_S, lambda _: watchers.append(
         loop.create_task(_cancel_on_disconnect(receive, task, response))))
     try:
         await work
@@ -78,12 +62,12 @@ async def _until_disconnect(receive: Any, work: Any, response: _ResponseTracker)
             raise  # not the client leaving: the server is stopping
         task.uncancel()
     finally:
-        timer.cancel()
+        watch.discard(task)
         for watcher in watchers:
             watcher.cancel()
 
 
-async def _cancel_on_disconnect(receive: Any, task: asyncio.Task, response: _ResponseTracker) -> bool:
+async def _cancel_on_disconnect(receive: Any, task: asyncio.Task, response: AccessRecord) -> bool:
     """True when it cancelled `task`: the client left before its whole answer went out."""
     while (await receive())["type"] != "http.disconnect":
         pass
@@ -95,6 +79,7 @@ async def _cancel_on_disconnect(receive: Any, task: asyncio.Task, response: _Res
 
 def build_app(gateway: Gateway, access: AccessPolicy | None = None, log_requests: bool = True) -> Any:
     """The gateway's routes behind its access rules (by default: no API key, admin endpoints off)."""
+    watch = Sweeper(WATCH_AFTER_S)  # when each proxied request starts watching for its client to leave
 
     async def app(scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -104,7 +89,7 @@ def build_app(gateway: Gateway, access: AccessPolicy | None = None, log_requests
             if method != "POST":
                 await _error(send, 405, f"{method} is not allowed on {path}")
                 return
-            await _proxy(gateway, scope, receive, send, path)
+            await _proxy(gateway, scope, receive, send, path, watch)
         elif path == "/health":
             if gateway.ready:
                 await _respond(send, 200, b"")
@@ -128,9 +113,10 @@ def build_app(gateway: Gateway, access: AccessPolicy | None = None, log_requests
     return Front(AccessGuard(app, access or AccessPolicy(admin_paths=ADMIN_PATHS)), log_requests)
 
 
-async def _proxy(gateway: Gateway, scope: dict, receive: Any, send: Any, path: str) -> None:
+async def _proxy(gateway: Gateway, scope: dict, receive: Any, send: Any, path: str, watch: Sweeper) -> None:
     request_id = _header(scope, b"x-request-id") or new_external_request_id()
-    scope["state"][STATE_KEY].request_id = request_id  # for the access log, even if the body is refused
+    record = scope["state"][STATE_KEY]  # Front's: it knows when the whole answer went out (`complete`)
+    record.request_id = request_id  # for the access log, even if the body is refused
     try:
         raw = await read_body(scope, receive, gateway.config.max_request_body_bytes)
     except ConnectionAbortedError:
@@ -145,9 +131,8 @@ async def _proxy(gateway: Gateway, scope: dict, receive: Any, send: Any, path: s
         return
     if "kv_transfer_params" in body and not gateway.config.allow_client_kv_params:
         del body["kv_transfer_params"]  # only the gateway decides where KV comes from
-    response = _ResponseTracker(send)
-    work = gateway.handle(path, body, request_id, response, _header(scope, b"traceparent"))
-    await _until_disconnect(receive, work, response)
+    work = gateway.handle(path, body, request_id, send, _header(scope, b"traceparent"))
+    await _until_disconnect(receive, work, record, watch)
 
 
 async def _timeline(gateway: Gateway, send: Any, request_id: str) -> None:

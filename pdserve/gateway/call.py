@@ -81,6 +81,7 @@ class GatewayHandle(Protocol):
     conditional: ConditionalDisagg
 
     wants_prompt: bool  # whether picking needs the prompt's token ids
+    wants_affinity: bool  # whether picking reads the prompt's prefix
 
     def pick(self, role: str, excluded: set[str], affinity: bytes, partner: Instance | None = None,
              prompt: RoutedPrompt | None = None) -> Instance: ...
@@ -152,7 +153,8 @@ class Call:
     def pick(self, role: str, partner: Instance | None = None) -> Instance:
         """An instance for `role`; `partner`: the other half of the pair, which it must be able to talk to."""
         prompt = self.routed_prompt() if self.gateway.wants_prompt else None
-        instance = self.gateway.pick(role, self.excluded, self.affinity(), partner, prompt)
+        affinity = self.affinity() if self.gateway.wants_affinity else b""
+        instance = self.gateway.pick(role, self.excluded, affinity, partner, prompt)
         self.picks[role] = instance
         return instance
 
@@ -294,9 +296,11 @@ class Call:
 
         `key` tells apart legs of one kind that run at once (several images encoded in parallel).
         """
-        trace = self.timeline.trace if self.timeline is not None else None
-        if trace is None:
-            self.mark("leg_start", leg=leg, url=instance.url)
+        timeline = self.timeline
+        trace = timeline.trace if timeline is not None else None
+        if trace is None:  # tracing off: the event alone, recorded straight into the timeline
+            if timeline is not None:
+                timeline.record("leg_start", {"leg": leg, "url": instance.url})
             return []
         span_id = new_span_id()
         self.mark("leg_start", leg=leg, url=instance.url, span_id=span_id)
@@ -304,9 +308,10 @@ class Call:
         return [(b"traceparent", trace.traceparent_for(span_id).encode())]
 
     def leg_ended(self, leg: str, instance: Instance, status: int, key: str | None = None) -> None:
-        span_id = self._leg_spans.pop(key or leg, None)
+        span_id = self._leg_spans.pop(key or leg, None) if self._leg_spans else None
         if span_id is None:
-            self.mark("leg_end", leg=leg, url=instance.url, status=status)
+            if self.timeline is not None:
+                self.timeline.record("leg_end", {"leg": leg, "url": instance.url, "status": status})
         else:
             self.mark("leg_end", leg=leg, url=instance.url, status=status, span_id=span_id)
 

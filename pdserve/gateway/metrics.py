@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 from collections.abc import Callable
 from itertools import accumulate
@@ -43,6 +44,31 @@ class _LegSeconds:
         family = HistogramMetricFamily(self.name, self.documentation, labels=["leg"])
         for leg, (counts, total) in list(self.series.items()):
             family.add_metric([leg], list(zip(self.labels_le, accumulate(counts))), total[0])
+        yield family
+
+
+class _Counts:
+    """A labelled counter kept as plain numbers, for the two series every request increments (its outcome, and the
+    remote-or-local prefill decision): prometheus_client's Counter.inc takes a lock, checks observability and goes
+    through a value object each time, for counts only the event-loop thread writes. Written out at scrape time as
+    that Counter would be (`_total`, and `_created` from the series' first count)."""
+
+    def __init__(self, name: str, documentation: str, labels: list[str]) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = labels
+        self.series: dict[tuple[str, ...], list[float]] = {}  # label values -> [count, created]
+
+    def inc(self, *values: str) -> None:
+        series = self.series.get(values)
+        if series is None:
+            series = self.series[values] = [0.0, time.time()]
+        series[0] += 1
+
+    def collect(self):
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, (count, created) in list(self.series.items()):
+            family.add_metric(list(values), count, created=created)
         yield family
 
 
@@ -110,8 +136,8 @@ class GatewayMetrics:
         self.prom = CollectorRegistry(auto_describe=True)
         r = self.prom
         self.protocol = protocol
-        self.requests = Counter("pdserve:gateway_requests", "Client requests by outcome.", ["protocol", "outcome"],
-                                registry=r)
+        self.requests = _Counts("pdserve:gateway_requests", "Client requests by outcome.", ["protocol", "outcome"])
+        r.register(self.requests)
         self.leg_seconds = _LegSeconds(_BUCKETS)
         r.register(self.leg_seconds)
         self.retries = Counter("pdserve:gateway_retries", "Attempts retried on a fresh pair.", ["leg", "reason"],
@@ -127,8 +153,9 @@ class GatewayMetrics:
             "lease frees it): not_made is no_release_endpoint (vLLM), unreachable, status_<code>, refused, "
             "no_transfer_key, or nothing_held (the instance held nothing by that name any more).",
             ["reason", "not_made"], registry=r)
-        self.decisions = Counter("pdserve:gateway_disagg_decisions", "Remote or local prefill, with the reason.",
-                                 ["decision", "reason"], registry=r)
+        self.decisions = _Counts("pdserve:gateway_disagg_decisions", "Remote or local prefill, with the reason.",
+                                 ["decision", "reason"])
+        r.register(self.decisions)
         self.encode_items = Counter("pdserve:gateway_encode_items",
                                     "Media items by outcome: encoded, cache_hit (seen before, not encoded again), "
                                     "failed (the prefill instance encodes it).", ["outcome"], registry=r)
@@ -144,10 +171,10 @@ class GatewayMetrics:
         return series
 
     def decision(self, decision: str, reason: str) -> None:
-        self.child(self.decisions, decision, reason).inc()
+        self.decisions.inc(decision, reason)
 
     def request_done(self, outcome: str, e2e_s: float, timings: dict[str, float]) -> None:
-        self.child(self.requests, self.protocol, outcome).inc()
+        self.requests.inc(self.protocol, outcome)
         observe = self.leg_seconds.observe
         observe("e2e", e2e_s)
         for leg, seconds in timings.items():

@@ -16,6 +16,7 @@ class NoInstanceError(RuntimeError):
 class Policy(ABC):
     name = ""
     wants_prompt = False  # whether `pick` takes the prompt's token ids too (kv_aware)
+    wants_affinity = False  # whether `pick` reads `affinity` (a prompt prefix, encoded per pick: not for nothing)
 
     @abstractmethod
     def pick(self, candidates: list[Instance], affinity: bytes = b"") -> Instance:
@@ -55,6 +56,7 @@ class PrefixAware(Policy):
     """
 
     name = "prefix_aware"
+    wants_affinity = True
 
     def __init__(self, balance_threshold: float = 4.0) -> None:
         self.balance_threshold = balance_threshold

@@ -116,7 +116,7 @@ class Registry:
 
     def signature(self) -> tuple:
         """Everything `usable` and pairing read, per instance: equal signatures, equal answers (a cache key)."""
-        return tuple((i, i.role, i.breaker.state, i.draining, i.caps) for i in self.instances.values())
+        return tuple([(i, i.role, i.breaker.state, i.draining, i.caps) for i in self.instances.values()])
 
     def has_route(self, needs: tuple[str, ...]) -> bool:
         return all(self.usable(role) for role in needs)

@@ -112,6 +112,7 @@ class Gateway:
         self.policies = {role: self.kv_routing.policy() if self.kv_routing is not None else make_policy(config.policy)
                          for role in ("prefill", "decode", "both", "encode")}
         self.wants_prompt = self.kv_routing is not None
+        self.wants_affinity = any(policy.wants_affinity for policy in self.policies.values())
         tokenizer = self.kv_routing.tokenizer if self.kv_routing is not None else (
             PromptTokenizer(config.tokenizer) if config.tokenizer else None)
         self.conditional = ConditionalDisagg(self.metrics, config.conditional, config.min_prompt_tokens,

@@ -125,9 +125,12 @@ class AccessGuard:
 
 
 def peer(scope: dict) -> str:
-    """The caller's address, for the audit log."""
+    """The caller's address, for the audit log, and whom a proxy says it forwarded for (X-Forwarded-For, read here
+    rather than by a middleware on every request: the gateway serves without uvicorn's)."""
     client = scope.get("client")
-    return f"{client[0]}:{client[1]}" if client else "unknown"
+    address = f"{client[0]}:{client[1]}" if client else "unknown"
+    forwarded = b", ".join(value for key, value in scope["headers"] if key == b"x-forwarded-for")
+    return f"{address} (x-forwarded-for: {forwarded[:256].decode('latin-1')})" if forwarded else address
 
 
 def _header(scope: dict, name: bytes) -> bytes | None:

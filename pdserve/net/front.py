@@ -25,6 +25,7 @@ _encode = msgspec.json.Encoder().encode
 # Polled by load balancers and scrapers every few seconds: not worth a log line each.
 _QUIET_PATHS = frozenset({"/health", "/metrics"})
 STATE_KEY = "pdserve_access"
+_SSE_END = b"data: [DONE]\n\n"
 
 
 @dataclass(slots=True)
@@ -37,6 +38,9 @@ class AccessRecord:
     status: int = 0
     request_id: str = "-"
     usage: Callable[[], dict[str, Any]] | None = None  # token counts, read when the response ended
+    # The client has its whole answer: the last body part went out, or, for a stream, its [DONE] event did (clients
+    # hang up right after it, before the body's end). A route that watches for the client leaving reads it.
+    complete: bool = False
 
     def line(self) -> str:
         parts = [f"{self.method} {self.path} {self.status} {time.monotonic() - self.started:.3f}s "
@@ -61,15 +65,24 @@ class Front:
         record = AccessRecord(scope["method"], scope["path"], time.monotonic())
         scope.setdefault("state", {})[STATE_KEY] = record
 
+        # The one wrapper of the server's send: every response message passes here once, whatever layer reads it.
+        # A closure, not a method of the record: the record is in the scope, which the server's send holds, and a
+        # record holding that send would make every request a reference cycle left to the garbage collector.
         async def tracking_send(message: dict) -> None:
-            if message["type"] == "http.response.start":
+            kind = message["type"]
+            if kind == "http.response.start":
                 record.status = message["status"]
                 for key, value in message.get("headers", ()):
                     if key.lower() == b"x-request-id":
                         record.request_id = value.decode("latin-1")
                     if len(value) > MAX_HEADER_VALUE_BYTES:
                         message = {**message, "headers": bound_headers(message["headers"])}
+                await send(message)
+                return
             await send(message)
+            if kind == "http.response.body" and (
+                    not message.get("more_body", False) or message.get("body", b"").endswith(_SSE_END)):
+                record.complete = True
 
         try:
             await self.app(scope, receive, tracking_send)

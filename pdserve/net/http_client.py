@@ -16,6 +16,13 @@ from collections.abc import AsyncIterator
 
 import httptools
 
+from pdserve.net.sweeper import Sweeper
+
+# A wait this long or longer (a leg's head, minutes) is checked by the pool's sweeper, at most _SWEEP_TICK_S late,
+# instead of a loop timer of its own; a shorter one (a health check's scrape, a test's) keeps its exact timer.
+_SWEPT_FROM_S = 1.0
+_SWEEP_TICK_S = 0.1
+
 
 class UpstreamError(ConnectionError):
     """The upstream could not be reached, or broke the connection mid-answer."""
@@ -160,7 +167,13 @@ class Response:
         """Until the connection has news for this response (or `timeout` passed: abort, UpstreamTimeout)."""
         loop = asyncio.get_running_loop()
         waiter = self._waiter = loop.create_future()
-        timer = None if timeout is None else loop.call_later(timeout, _expire, waiter)
+        timer = sweeper = None
+        if timeout is not None:
+            if timeout >= _SWEPT_FROM_S:
+                sweeper = self._conn.pool.deadlines
+                sweeper.add(waiter, timeout, _expire)
+            else:
+                timer = loop.call_later(timeout, _expire, waiter)
         try:
             expired = await waiter
         except asyncio.CancelledError:
@@ -169,6 +182,8 @@ class Response:
         finally:
             if timer is not None:
                 timer.cancel()
+            elif sweeper is not None:
+                sweeper.discard(waiter)
         if expired:
             self.abort()
             raise UpstreamTimeout(stage, timeout or 0)
@@ -237,6 +252,7 @@ class HttpPool:
         self.host_header = f"{host}:{port}".encode()
         self.headers = headers or []  # sent with every request (the upstream's credentials)
         self.read_headers = read_headers
+        self.deadlines = Sweeper(_SWEEP_TICK_S)  # the deadlines of waits of _SWEPT_FROM_S and longer
 
     async def _connect(self, timeout: float, reuse: bool = True) -> _Connection:
         while reuse and self._idle:

@@ -66,8 +66,12 @@ class _Server(uvicorn.Server):
 
 async def serve_announced(app: object, sock: socket.socket, log_level: str, fields: dict[str, object],
                           admin_sock: socket.socket | None = None,
-                          drain: Callable[[Callable[[], None]], Callable[[], None]] | None = None) -> None:
+                          drain: Callable[[Callable[[], None]], Callable[[], None]] | None = None,
+                          proxy_headers: bool = True) -> None:
     """Serve `app` on `sock` with uvicorn (httptools), and print the ready line once it accepts connections.
+
+    `proxy_headers=False` leaves out uvicorn's X-Forwarded-For middleware, a layer every request crosses: for an app
+    that reads the client's address only to log it (pdserve.net.auth.peer names the forwarded-for client itself).
 
     With `admin_sock`, the same app is served there too (it tells the two apart by the local port), and the
     ready line carries `admin_port`. With `drain`, SIGTERM calls what `drain(stop)` returned instead of stopping
@@ -78,7 +82,8 @@ async def serve_announced(app: object, sock: socket.socket, log_level: str, fiel
         sockets.append(admin_sock)
         fields = {**fields, "admin_port": admin_sock.getsockname()[1]}
     server = _Server(uvicorn.Config(app, log_level=log_level.lower(), access_log=False, lifespan="off",
-                                    timeout_keep_alive=KEEP_ALIVE_S, http="httptools"))
+                                    timeout_keep_alive=KEEP_ALIVE_S, http="httptools",
+                                    proxy_headers=proxy_headers))
     if drain is not None:
         loop = asyncio.get_running_loop()
         on_term = drain(lambda: setattr(server, "should_exit", True))

@@ -93,10 +93,14 @@ class TimelineStore:
         if self.exporter is not None:
             timeline.on_finish = self.exporter.export
             self.exporter.start(timeline)
-        timeline.add("arrival", arrival_ns)
+        timeline.events.append(("arrival", time.time_ns() if arrival_ns is None else arrival_ns, {}))
         with self._lock:
-            self._by_id.setdefault(request_id, []).append(timeline)
-            self._by_id.move_to_end(request_id)
+            found = self._by_id.get(request_id)
+            if found is None:  # most ids are new: added last, where move_to_end would put them
+                self._by_id[request_id] = [timeline]
+            else:
+                found.append(timeline)
+                self._by_id.move_to_end(request_id)
             while len(self._by_id) > self.capacity:
                 self._by_id.popitem(last=False)
         return timeline
