@@ -101,7 +101,7 @@ def in_background(fn, *args):
 def test_kill_prefill_during_prefill(models, protocol):
     # Both Ps slow: the gateway picks either, and the one that runs the leg is the one killed.
     with cluster(models, {"P1": SLOW_PREFILL, "P2": SLOW_PREFILL}, {"D1": {}}, protocol, "--retries", "1") as procs:
-        b = body(list(range(200, 400)))  # 200 tokens, a dozen slow steps
+        b = body(list(range(200, 400)))  # 200 tokens: 7 slow steps
         reference = answer(procs["C"].url, b).json()
         thread, result = in_background(answer, procs["G"].url, b)
         running: list[str] = []
