@@ -24,9 +24,10 @@ COMMON = ["--max-model-len", "512", "--num-kv-blocks", "192", "--served-model-na
           "--max-num-batched-tokens", "32"]
 PROTOCOLS = ["pull", "push", "decode-first"]
 SLOW_STEPS = {"fault_injection": {"step_delay_s": 0.05}}  # slow steps, so a kill lands mid-decode
-# A prefill of 200 tokens in chunks of 32 takes 7 steps: at 0.25 s each the P runs it for ~2 s, long enough for a
-# test polling two instances' /metrics on a loaded box to see it (at 0.05 s the ~0.4 s went by unseen).
-SLOW_PREFILL = {"fault_injection": {"step_delay_s": 0.25}}
+# A prefill of 200 tokens in chunks of 32 takes 7 steps: at 1 s each the P runs it for ~7 s, long enough for a
+# test polling two instances' /metrics on a loaded box to see it (under load 6-9 prefills of 0.45 s and of 1.8 s
+# both went by unseen: each poll of a starved server can take about that long).
+SLOW_PREFILL = {"fault_injection": {"step_delay_s": 1.0}}
 
 
 def kv(role: str, **extra) -> str:
