@@ -103,21 +103,18 @@ class PrefixIndex:
             removed = stored = cleared = 0  # counted per batch: an engine sends one BlockRemoved per evicted block
             try:
                 for event in events:
-                    if isinstance(event, BlockRemoved):
-                        removed += 1
-                        if store is not None and event.medium == MEDIUM_STORAGE:
-                            self._removed(state.store, store, event.block_hashes, event.medium)
-                        else:
-                            self._removed(member, state, event.block_hashes, event.medium)
-                    elif isinstance(event, BlockStored):
-                        stored += 1
-                        if store is not None and event.medium == MEDIUM_STORAGE:
-                            self._stored(state.store, store, event)
-                        else:
-                            self._stored(member, state, event)
-                    elif isinstance(event, AllBlocksCleared):  # the engine's cache; a store it writes keeps its blocks
+                    if isinstance(event, AllBlocksCleared):  # the engine's cache; a store it writes keeps its blocks
                         cleared += 1
                         self._clear(member, state)
+                        continue
+                    to_store = store is not None and event.medium == MEDIUM_STORAGE
+                    who, where = (state.store, store) if to_store else (member, state)
+                    if isinstance(event, BlockRemoved):
+                        removed += 1
+                        self._removed(who, where, event.block_hashes, event.medium)
+                    elif isinstance(event, BlockStored):
+                        stored += 1
+                        self._stored(who, where, event)
             finally:
                 counts = self.stats.events
                 for name, n in (("BlockStored", stored), ("BlockRemoved", removed), ("AllBlocksCleared", cleared)):
@@ -179,8 +176,7 @@ class PrefixIndex:
             return
         state.block_size = bs
         step = bs * 4
-        blocks, guesses, lru = state.blocks, state.speculative, self._lru
-        by_key = self._holders.setdefault(bs, {})
+        blocks, guesses = state.blocks, state.speculative
         for i, block_hash in enumerate(event.block_hashes):  # the hot loop of event handling: kept flat
             parent_key = xxh3_64_intdigest(data[i * step:(i + 1) * step], parent_key)
             ekey = block_hash & _U64 if type(block_hash) is int else bytes(block_hash)
@@ -190,26 +186,12 @@ class PrefixIndex:
                     self._forget(member, state, ekey)
                 entry = blocks[ekey] = _Entry(parent_key, bs)
                 state.entries_of[(bs, parent_key)] = state.entries_of.get((bs, parent_key), 0) + 1
-            # One copy more, as `_add_copy` adds it, inlined: this runs for every block an engine stores.
-            if device:
-                entry.device += 1
-            else:
-                entry.offload += 1
-            keyed = by_key if entry.block_size == bs else self._holders.setdefault(entry.block_size, {})
-            holders = keyed.get(parent_key)
-            if holders is None:
-                holders = keyed[parent_key] = {}
-            holders[member] = 1.0 if entry.device else self.offload_weight
-            lru_key = (member, ekey)
-            if lru_key in lru:
-                lru.move_to_end(lru_key)
-            else:
-                lru[lru_key] = None
+            self._add_copy(member, ekey, entry, device, trim=False)
             if guesses and guesses.pop((bs, parent_key), None) is not None:
                 self._unguess(member, bs, parent_key)
         self._trim()
 
-    def _add_copy(self, member: str, ekey: EngineHash, entry: _Entry, device: bool) -> None:
+    def _add_copy(self, member: str, ekey: EngineHash, entry: _Entry, device: bool, trim: bool = True) -> None:
         if device:
             entry.device += 1
         else:
@@ -226,7 +208,8 @@ class PrefixIndex:
             self._lru.move_to_end(lru_key)
         else:
             self._lru[lru_key] = None
-        self._trim()
+        if trim:
+            self._trim()
 
     def _trim(self) -> None:
         while len(self._lru) > self.capacity:
@@ -237,8 +220,8 @@ class PrefixIndex:
     def _removed(self, member: str, state: _Member, hashes: list[EngineHash], medium: str | None) -> None:
         device = medium in (None, MEDIUM_DEVICE)
         blocks = state.blocks
-        for block_hash in hashes:  # `engine_key` inlined: an engine sends a removal for every block it evicts
-            ekey = block_hash & _U64 if isinstance(block_hash, int) else bytes(block_hash)
+        for block_hash in hashes:
+            ekey = engine_key(block_hash)
             entry = blocks.get(ekey)
             if entry is None:
                 continue

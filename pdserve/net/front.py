@@ -77,8 +77,6 @@ class Front:
                         record.request_id = value.decode("latin-1")
                     if len(value) > MAX_HEADER_VALUE_BYTES:
                         message = {**message, "headers": bound_headers(message["headers"])}
-                await send(message)
-                return
             await send(message)
             if kind == "http.response.body" and (
                     not message.get("more_body", False) or message.get("body", b"").endswith(_SSE_END)):

@@ -93,7 +93,7 @@ class TimelineStore:
         if self.exporter is not None:
             timeline.on_finish = self.exporter.export
             self.exporter.start(timeline)
-        timeline.events.append(("arrival", time.time_ns() if arrival_ns is None else arrival_ns, {}))
+        timeline.add("arrival", arrival_ns)
         with self._lock:
             found = self._by_id.get(request_id)
             if found is None:  # most ids are new: added last, where move_to_end would put them
