@@ -91,7 +91,7 @@ def start_engines(model: Path, dtype: str, args: argparse.Namespace, cleanup: H.
     env = {"OMP_NUM_THREADS": str(args.threads), "VLLM_CPU_KVCACHE_SPACE": "2",
            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(reserved_port())}
     vllm = start_vllm(model, name=f"P-{dtype}", max_model_len=args.max_model_len, wait=False, extra_args=tuple(common),
-                      env=env, kv_transfer_config=nixl, timeout=600)
+                      env=env, kv_transfer_config=nixl, timeout=600, quiet_nixl=False)
     cleanup.add(vllm.stop)
     pd = start_instance(model, *common, "--max-model-len", str(args.max_model_len), "--role", "prefill", "--threads",
                         str(args.threads), "--served-model-name", NAME, "--log-level", "warning", "--kv-transfer-config",

@@ -130,7 +130,7 @@ def main() -> int:
     cleanup = H.Cleanup()
     work = cleanup.work_dir("vllm-fleet")
     model = make_text_model("qwen3", work / "qwen3")
-    prefill, decode = start_pd(model)
+    prefill, decode = start_pd(model, quiet_nixl=False)
     cleanup.add(prefill.stop)
     cleanup.add(decode.stop)
     routers = start_routers(prefill.url, decode.url, cleanup)

@@ -55,7 +55,7 @@ def start_pair(model: Path, max_model_len: int, target: str, cleanup: H.Cleanup)
                            **common) for r in "PD"]
         args = ["--protocol", "push", "--prefill", made[0].url, "--decode", made[1].url]
     elif target == "nixl":
-        made = [start_vllm(model, name=f"nixl-{r}", role=role, **common)
+        made = [start_vllm(model, name=f"nixl-{r}", role=role, quiet_nixl=False, **common)
                 for r, role in (("P", "kv_producer"), ("D", "kv_consumer"))]
         args = ["--protocol", "pull", "--prefill", made[0].url, "--decode", made[1].url]
     else:

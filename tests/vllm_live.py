@@ -3,8 +3,9 @@
 The venv comes from scripts/install_vllm.sh (the one place the recipe lives); PDSERVE_VLLM_VENV points at an
 existing one instead. Outside CI a failed install skips the test with the reason; under CI=true it fails it.
 
-Each vLLM process with the NixlConnector busy-polls a core (NIXL's UCX progress thread), so callers keep few
-instances alive at once (module-scoped fixtures) and stop them as soon as they are done.
+Each vLLM process with the NixlConnector busy-polls a core (NIXL's UCX progress thread): once such an instance is
+healthy, tests move that thread to SCHED_IDLE (tests/nixl_spin.py); benchmarks leave vLLM as users run it. Callers
+still keep few instances alive at once (module-scoped fixtures) and stop them as soon as they are done.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from nixl_spin import idle_spinning_threads, remove_idle_cgroup
 from peers import cache_lock, reserved_port, wait_healthy
 from server_utils import metric_values
 
@@ -92,6 +94,7 @@ class VllmInstance(Process):
     """A `vllm serve` process; its engine core and helpers live in its session and are stopped with it."""
 
     side_channel_port: int | None = None
+    idle_nixl_spin: bool = False  # once healthy, its NIXL progress thread runs only on otherwise idle cores
 
     def crash(self) -> None:
         """SIGKILL every process of the instance at once (the engine core too, where KV and connector live)."""
@@ -101,6 +104,8 @@ class VllmInstance(Process):
             except ProcessLookupError:
                 pass
         self.popen.wait(10)
+        if self.idle_nixl_spin:
+            remove_idle_cgroup(self.spin_group)
 
     def stop(self, timeout: float = 20.0) -> None:
         super().stop(timeout)
@@ -112,6 +117,12 @@ class VllmInstance(Process):
                 except ProcessLookupError:
                     pass
             time.sleep(0.1)
+        if self.idle_nixl_spin:
+            remove_idle_cgroup(self.spin_group)
+
+    @property
+    def spin_group(self) -> str:
+        return f"pdserve-tests-nixl-spin-{self.pid}"
 
 
 def session_members(sid: int) -> list[int]:
@@ -152,10 +163,12 @@ def vllm_env(side_channel_port: int | None, extra: dict[str, str] | None = None)
 
 def start_vllm(model: Path | str, *, role: str | None = None, name: str = "vllm", max_model_len: int = 512,
                extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
-               timeout: float = 300.0, wait: bool = True, kv_transfer_config: dict | None = None
-               ) -> VllmInstance:
+               timeout: float = 300.0, wait: bool = True, kv_transfer_config: dict | None = None,
+               quiet_nixl: bool = True) -> VllmInstance:
     """Start `vllm serve MODEL` on 127.0.0.1 (with the NixlConnector in `role` if given, or with
     `kv_transfer_config`, e.g. `pd_connector_config`) and wait until healthy.
+
+    quiet_nixl=False leaves a NixlConnector's spinning progress thread as it is (benchmarks: vLLM as users run it).
 
     With wait=False it returns at once: start several, then `ready(instance)` each, so their startups overlap.
     """
@@ -179,7 +192,9 @@ def start_vllm(model: Path | str, *, role: str | None = None, name: str = "vllm"
     with open(log_name, "wb") as log:
         popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  env=vllm_env(side_channel, env), start_new_session=True)
-    instance = VllmInstance(name, popen, {"port": port}, Path(log_name), side_channel_port=side_channel)
+    nixl = bool(role) or (kv_transfer_config or {}).get("kv_connector") == "NixlConnector"
+    instance = VllmInstance(name, popen, {"port": port}, Path(log_name), side_channel_port=side_channel,
+                            idle_nixl_spin=nixl and quiet_nixl)
     if wait:
         ready(instance, timeout)
     return instance
@@ -233,6 +248,8 @@ def ready(instance: VllmInstance, timeout: float = 300.0) -> VllmInstance:
     except BaseException:  # a Ctrl-C while waiting must not leave vLLM running either
         instance.stop()
         raise
+    if instance.idle_nixl_spin:
+        idle_spinning_threads(session_members(instance.pid), instance.spin_group)
     return instance
 
 
