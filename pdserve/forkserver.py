@@ -18,6 +18,12 @@ so the server must hold no lock another thread could own: it runs one thread, im
 its cache capacities at first use: the child's own environment must decide them). Python's `random` reseeds itself
 in a forked child and numpy's global generator is reseeded here; what stays shared is the seed of `hash()` for
 strings, which pdserve never lets cross a process (its hashes that do are hashlib's).
+
+The same server, run with the profile `vllm` by vLLM's own interpreter, forks `vllm serve` processes for the tests
+that start live vLLM instances (an import of vLLM's server costs ~15 CPU-seconds each): it preloads vLLM's entry,
+server and engine modules, lets a child differ only in variables vLLM reads at run time (its NIXL side channel),
+and runs vLLM's command-line entry in the child. vLLM's imports start the thread pools of two OpenBLAS builds
+(numpy's and OpenCV's), which, like numpy's alone, shut down around a fork.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import threading
 import time
 import traceback
 from importlib import import_module
+from typing import NamedTuple
 
 import msgspec
 
@@ -53,6 +60,30 @@ PRELOAD = ("numpy", "torch", "transformers", "transformers.models.auto.tokenizat
            "pdserve.gateway.cli", "pdserve.gateway.service",
            *(f"transformers.models.{name}.configuration_{name}" for name in ("llama", "mistral", "qwen2", "qwen3",
                                                                              "llava")))
+# vLLM 0.32's `vllm serve` on the CPU: its entry, the OpenAI server, the engine core and the CPU worker and model
+# (the core process is forked from the server process, so it inherits them too).
+VLLM_PRELOAD = ("torch", "transformers", "vllm.entrypoints.cli.main", "vllm.entrypoints.openai.api_server",
+                "vllm.v1.engine.core", "vllm.v1.engine.async_llm", "vllm.v1.worker.cpu_model_runner",
+                "vllm.model_executor.models.llama")
+# vllm.envs reads its variables when they are used; the side channel is the one that differs between instances.
+VLLM_RUN_TIME_VARS = frozenset({"PYTEST_CURRENT_TEST", "VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT"})
+
+
+class Profile(NamedTuple):
+    """What a server imports, which variables a child may set differently, and what the child runs."""
+
+    pools: tuple[str, ...]  # imported first: the thread pools they start survive a fork (OpenBLAS)
+    preload: tuple[str, ...]
+    run_time_vars: frozenset[str]
+    run_time_prefix: str
+    program: str  # the child's sys.argv[0]: a path, relative to the interpreter's folder when it has no slash
+
+
+PROFILES = {
+    "pdserve": Profile(("numpy",), PRELOAD, RUN_TIME_VARS, RUN_TIME_PREFIX,
+                       os.path.join(os.path.dirname(__file__), "__main__.py")),
+    "vllm": Profile(("numpy", "cv2"), VLLM_PRELOAD, VLLM_RUN_TIME_VARS, RUN_TIME_PREFIX, "vllm"),
+}
 _MESSAGE_BYTES = 1 << 20
 _ANSWER_S = 60.0  # a fork takes milliseconds; this only bounds a wait on a server that is stuck
 _REQUEST_S = 5.0
@@ -146,17 +177,18 @@ class ForkedChild:
             self._conn.close()
 
 
-def fork(server: str, argv: list[str], env: dict[str, str], stderr: int) -> ForkedChild | None:
-    """Ask the fork server at `server` for `argv` (`python -m pdserve ...`) with a new pipe as stdout; None when it
-    refuses (the caller spawns the process itself)."""
-    request = SpawnRequest(VERSION, argv[0], argv[3:], env, os.getcwd())
+def fork(server: str, argv: list[str], env: dict[str, str], stderr: int, stdout: int | None = None,
+         args_from: int = 3) -> ForkedChild | None:
+    """Ask the fork server at `server` for `argv` (`python -m pdserve ...`: its arguments from `args_from` on) with
+    `stdout`, or a new pipe as stdout; None when it refuses (the caller spawns the process itself)."""
+    request = SpawnRequest(VERSION, argv[0], argv[args_from:], env, os.getcwd())
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         conn.connect(server)
     except OSError:  # no server there (any more): spawn
         conn.close()
         return None
-    read_end, write_end = os.pipe()
+    read_end, write_end = os.pipe() if stdout is None else (-1, os.dup(stdout))
     conn.settimeout(_ANSWER_S)
     try:
         socket.send_fds(conn, [msgspec.json.encode(request)], [write_end, stderr])
@@ -165,38 +197,46 @@ def fork(server: str, argv: list[str], env: dict[str, str], stderr: int) -> Fork
         answer = _to_client.decode(conn.recv(_MESSAGE_BYTES))
     except (OSError, msgspec.DecodeError) as exc:  # a fork may be under way: spawning another could start two
         conn.close()
-        os.close(read_end)
+        _close_fd(read_end)
         raise RuntimeError(f"the fork server at {server} did not answer: {exc!r}") from None
     finally:
-        if write_end >= 0:
-            os.close(write_end)
+        _close_fd(write_end)
     conn.settimeout(None)
     if isinstance(answer, Started):
-        return ForkedChild(conn, answer.pid, argv, os.fdopen(read_end, "rb"))
+        return ForkedChild(conn, answer.pid, argv, None if read_end < 0 else os.fdopen(read_end, "rb"))
     conn.close()
-    os.close(read_end)
+    _close_fd(read_end)
     return None
 
 
-def refusal(request: SpawnRequest) -> str | None:
-    """Why a child for `request` would not start as a spawned process would; None when it would."""
+def _close_fd(fd: int) -> None:
+    if fd >= 0:
+        os.close(fd)
+
+
+def refusal(request: SpawnRequest, profile: Profile = PROFILES["pdserve"],
+            launch_env: dict[str, str] | None = None) -> str | None:
+    """Why a child for `request` would not start as a spawned process would; None when it would. `launch_env`:
+    the server's environment before its imports (by default the present one)."""
+    launch_env = dict(os.environ) if launch_env is None else launch_env
     if request.version != VERSION:
         return f"protocol version {request.version}, the server speaks {VERSION}"
     if request.executable != sys.executable:
         return f"interpreter {request.executable}, the server runs {sys.executable}"
     if request.cwd != os.getcwd():
         return f"working directory {request.cwd}, the server's is {os.getcwd()}"
-    differ = sorted(name for name in request.env.keys() | os.environ.keys()
-                    if request.env.get(name) != os.environ.get(name) and name not in RUN_TIME_VARS
-                    and not name.startswith(RUN_TIME_PREFIX))
+    differ = sorted(name for name in request.env.keys() | launch_env.keys()
+                    if request.env.get(name) != launch_env.get(name) and name not in profile.run_time_vars
+                    and not name.startswith(profile.run_time_prefix))
     return f"environment differs in {', '.join(differ)}" if differ else None
 
 
-def preload() -> None:
-    """Import PRELOAD; fail if an import started a thread (numpy's OpenBLAS pool excepted: it survives a fork)."""
-    import_module("numpy")
+def preload(profile: Profile) -> None:
+    """Import the profile's modules; fail if an import started a thread (its pools excepted: they survive a fork)."""
+    for name in profile.pools:
+        import_module(name)
     threads = len(os.listdir("/proc/self/task"))
-    for name in PRELOAD:
+    for name in profile.preload:
         import_module(name)
         now = len(os.listdir("/proc/self/task"))
         if now != threads or threading.active_count() != 1:
@@ -217,7 +257,12 @@ class _Server:
     """One thread, one selector: the listening socket, a wakeup socket for SIGTERM, each requester's connection and
     each child's pidfd (readable when the child ends)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, profile: Profile, launch_env: dict[str, str]) -> None:
+        self.profile, self.launch_env = profile, launch_env
+        # vLLM's imports set variables of their own (LD_LIBRARY_PATH, TorchInductor's): requests are compared with
+        # the environment the server was started with, and a child gets what the imports changed on top of its own.
+        self.set_by_imports = {name: os.environ.get(name) for name in launch_env.keys() | os.environ.keys()
+                               if os.environ.get(name) != launch_env.get(name)}
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.listener.bind(path)
         self.listener.listen(64)
@@ -263,7 +308,7 @@ class _Server:
             request = _to_server.decode(data)
         except msgspec.DecodeError:
             request = None
-        reason = (refusal(request) if isinstance(request, SpawnRequest) and len(fds) == 2
+        reason = (refusal(request, self.profile, self.launch_env) if isinstance(request, SpawnRequest) and len(fds) == 2
                   else "not a spawn request with stdout and stderr")
         if reason is None:
             sys.stdout.flush()
@@ -301,9 +346,14 @@ class _Server:
                 os.close(fd)
             os.environ.clear()
             os.environ.update(request.env)
+            for name, value in self.set_by_imports.items():  # as the child's own imports would have set them
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
             sys.modules["numpy"].random.seed()  # numpy's global generator was seeded once, in the server
             os.chdir(request.cwd)
-            sys.argv = [os.path.join(os.path.dirname(__file__), "__main__.py"), *request.args]
+            sys.argv = [os.path.join(os.path.dirname(sys.executable), self.profile.program), *request.args]
         except BaseException:  # never return into the server's loop
             traceback.print_exc()
             os._exit(127)
@@ -361,11 +411,20 @@ def _close(fileobj: socket.socket | int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    preload()
-    server = _Server(argv[0])
+    """`python -m pdserve.forkserver SOCKET [PROFILE]`, PROFILE one of PROFILES (pdserve by default)."""
+    profile_name = argv[1] if len(argv) > 1 else "pdserve"
+    profile = PROFILES[profile_name]
+    launch_env = dict(os.environ)
+    preload(profile)
+    server = _Server(argv[0], profile, launch_env)
     print(msgspec.json.encode({"event": "ready", "pid": os.getpid(), "socket": argv[0]}).decode(), flush=True)
     request = server.run()
     if request is None:
+        return 0
+    if profile_name == "vllm":
+        from vllm.entrypoints.cli.main import main as run_vllm
+
+        run_vllm()  # reads sys.argv, set to the request's
         return 0
     from pdserve.cli import main as run_cli
 

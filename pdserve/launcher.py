@@ -101,12 +101,13 @@ def start(name: str, args: list[str], timeout: float = 120.0, env: dict[str, str
 
 
 def start_command(name: str, argv: list[str], timeout: float = 120.0, env: dict[str, str] | None = None,
-                  signal_group: bool = False) -> Process:
-    """Run any command that announces readiness with a JSON line on stdout, and wait for that line."""
+                  signal_group: bool = False, inherit_env: bool = True) -> Process:
+    """Run any command that announces readiness with a JSON line on stdout, and wait for that line. Its environment
+    is this process's updated with `env`, or `env` alone with inherit_env=False."""
     fd, log_name = tempfile.mkstemp(prefix=f"pdserve-{name}-", suffix=".log")
     os.close(fd)
     log_path = Path(log_name)
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env = {**(os.environ if inherit_env else {}), "PYTHONUNBUFFERED": "1", **(env or {})}
     with log_path.open("wb") as log_file:
         popen = _spawn(argv, full_env, log_file.fileno())
     proc = Process(name, popen, {}, log_path, signal_group)

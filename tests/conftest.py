@@ -23,14 +23,17 @@ still runs one file in one process. Rules that keep a test safe in parallel work
   pdserve` processes from it instead of spawning them, which saves importing torch per start. A forked child
   behaves as a spawned one (its PID, signals, exit status, session, environment); what it cannot give (another
   interpreter, directory, or a variable that may be read at import) is spawned. `--no-fork-server` spawns all.
+  Likewise a vLLM fork server (`_vllm_fork_server`, in vLLM's venv) forks `vllm serve` for `vllm_live.start_vllm`.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import tempfile
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -38,6 +41,7 @@ from typing import Any
 
 import pytest
 import torch
+import vllm_live
 
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.forkserver import ENV_VAR as FORKSERVER_ENV
@@ -115,6 +119,35 @@ def _fork_server(request: pytest.FixtureRequest) -> Iterator[None]:
         patch.setenv(FORKSERVER_ENV, server.ready["socket"])
         yield
     server.stop()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _vllm_fork_server(request: pytest.FixtureRequest) -> Iterator[None]:
+    """This worker's vLLM fork server (`vllm_live.vllm_fork_server`), started in the background where vLLM's venv
+    is installed: until it is ready (its imports take ~15 CPU-seconds), and for any instance it refuses,
+    `start_vllm` spawns `vllm serve` as ever."""
+    if request.config.getoption("--no-fork-server") or not vllm_live.installed():
+        yield
+        return
+    folder = Path(tempfile.mkdtemp(prefix="pdserve-vllm-forks-"))
+    started: list = []
+
+    def start() -> None:
+        try:
+            started.append(vllm_live.vllm_fork_server(folder))
+        except BaseException as exc:  # noqa: BLE001 (a thread: pytest's skip included) every instance is spawned
+            warnings.warn(f"no vLLM fork server, vLLM instances are spawned: {exc!r}", stacklevel=1)
+            return
+        os.environ[vllm_live.FORKSERVER_ENV] = started[0].ready["socket"]
+
+    starter = threading.Thread(target=start, name="vllm-fork-server", daemon=True)
+    starter.start()
+    yield
+    starter.join()
+    os.environ.pop(vllm_live.FORKSERVER_ENV, None)
+    for server in started:
+        server.stop()
     shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -28,12 +28,21 @@ from nixl_spin import idle_spinning_threads, remove_idle_cgroup
 from peers import cache_lock, reserved_port, wait_healthy
 from server_utils import metric_values
 
-from pdserve.launcher import Process, start
+from pdserve.forkserver import fork
+from pdserve.launcher import Process, start, start_command
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_VENV = ROOT / ".cache" / "vllm"
 INSTALL_SCRIPT = ROOT / "scripts" / "install_vllm.sh"
 SERVED_NAME = "tiny"
+# The socket of this test worker's vLLM fork server (`vllm_fork_server`), once it is ready.
+FORKSERVER_ENV = "PDSERVE_VLLM_FORKSERVER"
+
+
+def installed() -> bool:
+    """Whether vLLM's venv is there already (nothing is installed to find out)."""
+    override = os.environ.get("PDSERVE_VLLM_VENV")
+    return (Path(override) / "bin" / "vllm").exists() if override else (DEFAULT_VENV / ".installed").exists()
 
 
 def vllm_venv() -> Path:
@@ -190,14 +199,36 @@ def start_vllm(model: Path | str, *, role: str | None = None, name: str = "vllm"
     fd, log_name = tempfile.mkstemp(prefix=f"vllm-{name}-", suffix=".log")
     os.close(fd)
     with open(log_name, "wb") as log:
-        popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 env=vllm_env(side_channel, env), start_new_session=True)
+        popen = _forked(venv, argv, side_channel, env, log.fileno())
+        if popen is None:
+            popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=vllm_env(side_channel, env), start_new_session=True)
     nixl = bool(role) or (kv_transfer_config or {}).get("kv_connector") == "NixlConnector"
     instance = VllmInstance(name, popen, {"port": port}, Path(log_name), side_channel_port=side_channel,
                             idle_nixl_spin=nixl and quiet_nixl)
     if wait:
         ready(instance, timeout)
     return instance
+
+
+def vllm_fork_server(folder: Path) -> Process:
+    """A fork server (pdserve/forkserver.py, profile `vllm`) running in vLLM's venv, with the environment every
+    instance shares: `start_vllm` forks `vllm serve` from it once FORKSERVER_ENV names its socket."""
+    venv = vllm_venv()
+    return start_command("vllm-forkserver", [str(venv / "bin" / "python"), "-m", "pdserve.forkserver",
+                                             str(folder / "socket"), "vllm"],
+                         timeout=300, env=vllm_env(None, {"PYTHONPATH": pdserve_path()}), inherit_env=False)
+
+
+def _forked(venv: Path, argv: list[str], side_channel: int | None, env: dict[str, str] | None, log: int):
+    """`argv` forked from this worker's vLLM fork server; None where there is none (yet) or it refuses (the
+    instance needs a variable the server cannot give it). pdserve's path is on every forked instance's, as on the
+    server's: only a PdConnector instance imports from it."""
+    server = os.environ.get(FORKSERVER_ENV)
+    if not server:
+        return None
+    child_env = vllm_env(side_channel, {"PYTHONPATH": pdserve_path(), **(env or {})})
+    return fork(server, [str(venv / "bin" / "python"), *argv], child_env, log, stdout=log, args_from=2)
 
 
 def start_pd(model: Path | str, **kwargs) -> tuple[VllmInstance, VllmInstance]:
