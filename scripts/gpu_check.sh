@@ -22,7 +22,6 @@ cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 OUT=${OUT:-/tmp/gpu_check_out}
 mkdir -p "$OUT"
-exec > >(tee -a "$OUT/gpu_check.log") 2>&1
 PY=${PYTHON:-python3}
 DEVICE=${GPU_CHECK_DEVICE:-cuda}
 PRESET=${BENCH_PRESET:-llama120m}
@@ -49,6 +48,7 @@ step() {  # step NAME SECONDS COMMAND...: runs it under a deadline, says PASS or
     return $rc
 }
 
+main() {
 if ls .whl/*.whl >/dev/null 2>&1 && [ -z "${SKIP_WHEELS:-}" ]; then
     step wheels 30 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site:$PYTHONPATH"
@@ -92,5 +92,10 @@ fi
 rm -rf "$WORK"
 echo "=== summary ($((SECONDS - START))s)"
 printf '%s\n' "${RESULTS[@]}"
-for r in "${RESULTS[@]}"; do [[ $r == FAIL* ]] && exit 1; done
-exit 0
+for r in "${RESULTS[@]}"; do [[ $r == FAIL* ]] && return 1; done
+return 0
+}
+
+# Through a pipe rather than `exec > >(tee ...)`: the log is complete when the script returns.
+main 2>&1 | tee "$OUT/gpu_check.log"
+exit "${PIPESTATUS[0]}"
