@@ -16,7 +16,7 @@ from pdserve.engine.block_pool import ROOT_HASH
 from pdserve.engine.faults import EngineFaults
 from pdserve.engine.host_memory import keep_freed_memory
 from pdserve.engine.kv_cache_manager import KVCacheManager
-from pdserve.engine.model_runner import ModelRunner, default_kv_allocator
+from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.output_processor import OutputProcessor, RequestOutput
 from pdserve.engine.request import MultiModalItem, Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -75,8 +75,7 @@ class LLMEngine:
         self.vocab_size = self.runner.cfg.vocab_size
         self.eos_token_ids = self.tokenizer.eos_token_ids or self.runner.cfg.eos_token_ids
         num_blocks = config.resolve_num_blocks(self.runner.kv_block_bytes(), self.max_model_len)
-        allocator = connectors.kv_allocator if connectors is not None else default_kv_allocator
-        self.runner.allocate_kv_cache(num_blocks, allocator)
+        self.runner.allocate_kv_cache(num_blocks, connectors.kv_allocator if connectors is not None else None)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.max_seq_len = max_sequence_length(config, self.max_model_len, num_blocks)
         if ec is not None:

@@ -27,9 +27,16 @@ log = logging.getLogger(__name__)
 KVAllocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 
 
-def default_kv_allocator(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def default_kv_allocator(shape: tuple[int, ...], dtype: torch.dtype,
+                         device: torch.device = torch.device("cpu")) -> torch.Tensor:
     # Zeroed, not empty: padded attention multiplies masked slots by 0, and 0 * NaN from stale memory is NaN.
-    return torch.zeros(shape, dtype=dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether memory on `a` serves a model on `b`; a device named without an index (`cuda`) matches any of its
+    type's, as a tensor made on `cuda` reports `cuda:0`."""
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
 
 class ModelRunner:
@@ -64,8 +71,18 @@ class ModelRunner:
             n *= d
         return n * torch.empty((), dtype=self.dtype).element_size()
 
-    def allocate_kv_cache(self, num_blocks: int, allocator: KVAllocator = default_kv_allocator) -> torch.Tensor:
-        self.kv_cache = allocator((num_blocks, *self.kv_block_shape()), self.dtype)
+    def allocate_kv_cache(self, num_blocks: int, allocator: KVAllocator | None = None) -> torch.Tensor:
+        """The KV cache on the runner's device, zeroed; `allocator` (a data plane's) places it in memory the plane
+        can share, which must then be on that same device."""
+        shape = (num_blocks, *self.kv_block_shape())
+        if allocator is None:
+            kv_cache = default_kv_allocator(shape, self.dtype, self.device)
+        else:
+            kv_cache = allocator(shape, self.dtype)
+        if not same_device(kv_cache.device, self.device):
+            raise ValueError(f"the KV cache was allocated on {kv_cache.device} but the model runs on {self.device}: "
+                             "the configured data plane cannot hold this device's KV cache")
+        self.kv_cache = kv_cache
         if self.connector is not None:
             self.connector.register_kv_caches(self.kv_cache)
         return self.kv_cache
@@ -243,7 +260,10 @@ class ModelRunner:
             self._prefill_tables(prefills, attn)
         if len(sample_rows) < row:
             self._sampled_rows(batch, sample_rows, attn)
-        return torch.tensor(token_ids), flat_positions, attn, sample_rows
+        input_ids = torch.tensor(token_ids)
+        if self.device.type != "cpu":  # built on the host, where Python lists become tensors; moved once per step
+            return input_ids.to(self.device), flat_positions.to(self.device), attn.to(self.device), sample_rows
+        return input_ids, flat_positions, attn, sample_rows
 
     def _sampled_rows(self, batch: list[ScheduledRequest], sample_rows: list[tuple[int, int]],
                       attn: AttentionMetadata) -> None:

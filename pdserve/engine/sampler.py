@@ -32,7 +32,7 @@ def sample(logits: torch.Tensor, rows: list[ScheduledRequest], generators: list[
     tokens = first_argmax(logits)
     random_rows = [i for i, r in enumerate(rows) if not r.sampling_params.is_greedy]
     if random_rows:
-        index = torch.tensor(random_rows)
+        index = torch.tensor(random_rows, device=logits.device)
         drawn = _sample_random(logits.index_select(0, index), [rows[i] for i in random_rows],
                                [generators[i] for i in random_rows], default_generator)
         tokens.index_copy_(0, index, drawn)
@@ -53,12 +53,12 @@ def _apply_penalties(logits: torch.Tensor, rows: list[ScheduledRequest]) -> torc
     vocab = logits.shape[1]
     for i in penalized:
         params = rows[i].sampling_params
-        output = torch.tensor(rows[i].output_token_ids, dtype=torch.long)
+        output = torch.tensor(rows[i].output_token_ids, dtype=torch.long, device=logits.device)
         counts = torch.bincount(output, minlength=vocab)[:vocab].to(logits.dtype)
         row = logits[i]
         if params.repetition_penalty != 1.0:
-            prompt = torch.tensor(rows[i].prompt_token_ids, dtype=torch.long)
-            seen = torch.zeros(vocab, dtype=torch.bool)
+            prompt = torch.tensor(rows[i].prompt_token_ids, dtype=torch.long, device=logits.device)
+            seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
             seen[prompt[prompt < vocab]] = True
             seen |= counts > 0
             scaled = torch.where(row > 0, row / params.repetition_penalty, row * params.repetition_penalty)
@@ -87,28 +87,30 @@ def _mask_stops_before_min_tokens(logits: torch.Tensor, rows: list[ScheduledRequ
 def _sample_random(logits: torch.Tensor, rows: list[ScheduledRequest], generators: list[torch.Generator | None],
                    default_generator: torch.Generator) -> torch.Tensor:
     params = [r.sampling_params for r in rows]
-    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
+    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device).unsqueeze(1)
     logits = logits / temperature
     if any(p.min_p > 0 for p in params):
         probs = torch.softmax(logits, dim=-1)
-        min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype).unsqueeze(1)
+        min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=logits.device).unsqueeze(1)
         logits = logits.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
     if any(p.top_k > 0 for p in params):
         logits = _top_k(logits, [p.top_k for p in params])
     if any(p.top_p < 1.0 for p in params):
-        logits = _top_p(logits, torch.tensor([p.top_p for p in params], dtype=logits.dtype))
+        logits = _top_p(logits, torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=logits.device))
     probs = torch.softmax(logits, dim=-1)
-    race = torch.empty_like(probs)
+    # Drawn on the host whatever the device: the generators are host generators, so a seeded request's stream (and
+    # the state a migration carries, see ModelRunner.generator_state) is the same on CPU and GPU instances.
+    race = torch.empty(probs.shape, dtype=probs.dtype)
     for i, generator in enumerate(generators):
         race[i].exponential_(generator=generator or default_generator)
-    return first_argmax(probs / race)
+    return first_argmax(probs / race.to(probs.device))
 
 
 def _top_k(logits: torch.Tensor, ks: list[int]) -> torch.Tensor:
     vocab = logits.shape[1]
     ks = [k if 0 < k < vocab else vocab for k in ks]
     top = torch.topk(logits, max(ks), dim=-1).values
-    kth = top.gather(1, torch.tensor(ks).unsqueeze(1) - 1)
+    kth = top.gather(1, torch.tensor(ks, device=logits.device).unsqueeze(1) - 1)
     return logits.masked_fill(logits < kth, float("-inf"))
 
 

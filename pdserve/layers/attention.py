@@ -53,6 +53,23 @@ class AttentionMetadata:
     sampled_rows: torch.Tensor | None = None
     sampled: AttentionMetadata | None = None
 
+    def to(self, device: torch.device) -> AttentionMetadata:
+        """The same metadata with every tensor on `device`. The runner builds it on the host (small lists turned
+        into tensors) and a GPU engine moves it once per step: kernels index the cache with these tensors, and
+        CUDA ops take no host index or mask beside device operands."""
+        moved = AttentionMetadata(**{name: _on(getattr(self, name), device) for name in _META_FIELDS})
+        moved.prefills = [PrefillChunk(c.start, c.end, c.num_context_tokens, _on(c.block_ids, device))
+                          for c in self.prefills]
+        moved.sampled = None if self.sampled is None else self.sampled.to(device)
+        return moved
+
+
+_META_FIELDS = tuple(name for name in AttentionMetadata.__slots__ if name not in ("prefills", "sampled"))
+
+
+def _on(value: object, device: torch.device) -> object:
+    return value.to(device) if isinstance(value, torch.Tensor) else value
+
 
 def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
     """layer_cache: [num_blocks, 2, kv_heads, block_size, head_dim] view of one layer."""
@@ -148,8 +165,8 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_
         total = chunk.num_context_tokens + num_new
         keys, values = gather_context(layer_cache, chunk.block_ids, total, q.dtype)
         # Query i sits at absolute position context + i and may see keys up to and including that position.
-        query_pos = torch.arange(chunk.num_context_tokens, total).unsqueeze(1)
-        allowed = torch.arange(total).unsqueeze(0) <= query_pos
+        query_pos = torch.arange(chunk.num_context_tokens, total, device=q.device).unsqueeze(1)
+        allowed = torch.arange(total, device=q.device).unsqueeze(0) <= query_pos
         out = F.scaled_dot_product_attention(qc, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=allowed,
                                              scale=scale, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)
