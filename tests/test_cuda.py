@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import assert_no_blocks_in_use, random_prompt
-from test_oracle import CHUNK_BUDGET, NUM_TOKENS, compare_with_oracle, greedy_params
+from test_oracle import CHUNK_BUDGET, NUM_TOKENS, bf16_agreement, compare_with_oracle, greedy_params
 from transformers import GenerationConfig
 
 from pdserve.layers.attention import AttentionMetadata, PrefillChunk
@@ -40,7 +40,6 @@ def chosen_device() -> str | None:
 DEVICE = chosen_device()
 needs_device = pytest.mark.skipif(DEVICE is None, reason="no CUDA device (torch.cuda.is_available() is false); "
                                                          "PDSERVE_TEST_DEVICE=cpu runs these checks on the CPU")
-BF16_FIRST_LOGPROB_TOL = 0.1
 
 
 @pytest.fixture(scope="module")
@@ -158,19 +157,8 @@ def test_bf16_runs_and_roughly_agrees_with_transformers(models, make_llm, hf_on_
     llm = device_llm(make_llm, model_dir, dtype="bfloat16")
     assert llm.engine.runner.kv_cache.dtype == torch.bfloat16
     hf = hf_on_device(model_dir, torch.bfloat16)
-    agree, total = 0, 0
-    for n in (7, 90, 150):
-        prompt = random_prompt(n, seed=500 + n)
-        (result,) = llm.generate([prompt], greedy_params(8))
-        ref_tokens, ref_logprobs = hf_greedy(hf, prompt, 8)
-        seq = result.outputs[0]
-        assert len(seq.token_ids) == 8
-        assert all(torch.isfinite(torch.tensor([lp.logprob for lp in seq.logprobs])))
-        assert seq.token_ids[0] == ref_tokens[0], f"bf16 len {n}: first token differs"
-        first = abs(seq.logprobs[0].logprob - ref_logprobs[0][ref_tokens[0]].item())
-        assert first < BF16_FIRST_LOGPROB_TOL, f"bf16 len {n}: first logprob off by {first:.3f}"
-        agree += next((i for i, (a, b) in enumerate(zip(seq.token_ids, ref_tokens)) if a != b), 8)
-        total += 8
+    lengths = (7, 90, 150)
+    agree, total = bf16_agreement(llm, hf, lengths, reference=hf_greedy), 8 * len(lengths)
     assert agree >= total // 2, f"bf16 greedy continuations share only {agree} of {total} tokens with transformers"
     assert_no_blocks_in_use(llm.engine)
 

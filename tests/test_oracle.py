@@ -163,23 +163,31 @@ def test_paged_kv_cache_equals_transformers_cache(arch, models, make_llm, hf_mod
     engine.abort_request(rid)
 
 
+def bf16_agreement(llm, hf, lengths: tuple[int, ...], tokens: int = 8, reference=None) -> int:
+    """Greedy tokens pdserve's bf16 continuations share with transformers' (`reference`, hf_greedy by default)
+    before the first difference, summed over prompts of `lengths`. bf16 rounding differs between the two
+    implementations: only each first step is held tight-ish (the same token, its logprob within 0.1)."""
+    agree = 0
+    for n in lengths:
+        prompt = random_prompt(n, seed=500 + n)
+        (result,) = llm.generate([prompt], greedy_params(tokens))
+        ref_tokens, ref_logprobs = (reference or hf_greedy)(hf, prompt, tokens)
+        seq = result.outputs[0]
+        assert len(seq.token_ids) == tokens
+        assert all(torch.isfinite(torch.tensor([lp.logprob for lp in seq.logprobs])))
+        assert seq.token_ids[0] == ref_tokens[0], f"bf16 length {n}: the first token differs"
+        first = abs(seq.logprobs[0].logprob - ref_logprobs[0][ref_tokens[0]].item())
+        assert first < 0.1, f"bf16 length {n}: the first logprob is off by {first:.3f}"
+        agree += next((i for i, (a, b) in enumerate(zip(seq.token_ids, ref_tokens)) if a != b), tokens)
+    return agree
+
+
 def test_bfloat16_runs_and_roughly_agrees_with_transformers(models, make_llm, hf_models) -> None:
     model_dir = models("llama")
     llm = make_llm(model_dir, dtype="bfloat16", max_num_batched_tokens=CHUNK_BUDGET)
     assert llm.engine.runner.kv_cache.dtype == torch.bfloat16
     hf = hf_models(model_dir, torch.bfloat16)
-    agree = 0
-    for n in (7, 90):
-        prompt = random_prompt(n, seed=500 + n)
-        (result,) = llm.generate([prompt], greedy_params(8))
-        ref_tokens, ref_logprobs = hf_greedy(hf, prompt, 8)
-        seq = result.outputs[0]
-        assert len(seq.token_ids) == 8
-        assert all(torch.isfinite(torch.tensor([lp.logprob for lp in seq.logprobs])))
-        # bf16 rounding differs between the two implementations: only the first step is held tight-ish.
-        assert seq.token_ids[0] == ref_tokens[0]
-        assert abs(seq.logprobs[0].logprob - ref_logprobs[0][ref_tokens[0]].item()) < 0.1
-        agree += next((i for i, (a, b) in enumerate(zip(seq.token_ids, ref_tokens)) if a != b), 8)
+    agree = bf16_agreement(llm, hf, (7, 90))
     assert agree >= 4, "bf16 greedy continuations diverge from transformers almost immediately"
 
 
