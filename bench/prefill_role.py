@@ -91,7 +91,7 @@ def start_engines(model: Path, dtype: str, args: argparse.Namespace, cleanup: H.
     env = {"OMP_NUM_THREADS": str(args.threads), "VLLM_CPU_KVCACHE_SPACE": "2",
            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(reserved_port())}
     vllm = start_vllm(model, name=f"P-{dtype}", max_model_len=args.max_model_len, wait=False, extra_args=tuple(common),
-                      env=env, kv_transfer_config=nixl, timeout=600, quiet_nixl=False)
+                      env=env, kv_transfer_config=nixl, timeout=600, quiet_nixl=args.quiet_vllm_nixl)
     cleanup.add(vllm.stop)
     pd = start_instance(model, *common, "--max-model-len", str(args.max_model_len), "--role", "prefill", "--threads",
                         str(args.threads), "--served-model-name", NAME, "--log-level", "warning", "--kv-transfer-config",
@@ -247,6 +247,9 @@ def main() -> int:
     ap.add_argument("--hold-s", type=int, default=3, help="how long P holds an unread prefill's KV (s)")
     ap.add_argument("--wait-idle", type=float, default=5.0, help="wait up to S s for a quiet machine before each")
     ap.add_argument("--models-dir", default=str(BENCH.parent / ".cache" / "bench-models"))
+    ap.add_argument("--quiet-vllm-nixl", action="store_true",
+                    help="run vLLM's spinning NIXL progress thread at idle priority, as the tests do "
+                         "(tests/nixl_spin.py); by default vLLM runs as users run it")
     ap.add_argument("--quick", action="store_true", help="one rep, one concurrent round, fp32 only")
     ap.add_argument("--json")
     args = ap.parse_args()

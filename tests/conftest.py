@@ -125,9 +125,10 @@ def _fork_server(request: pytest.FixtureRequest) -> Iterator[None]:
 @pytest.fixture(scope="session", autouse=True)
 def _vllm_fork_server(request: pytest.FixtureRequest) -> Iterator[None]:
     """This worker's vLLM fork server (`vllm_live.vllm_fork_server`), started in the background where vLLM's venv
-    is installed: until it is ready (its imports take ~15 CPU-seconds), and for any instance it refuses,
-    `start_vllm` spawns `vllm serve` as ever."""
-    if request.config.getoption("--no-fork-server") or not vllm_live.installed():
+    is installed and a collected test starts vLLM: until it is ready (its imports take ~13 CPU-seconds), and for
+    any instance it refuses, `start_vllm` spawns `vllm serve` as ever."""
+    if (request.config.getoption("--no-fork-server") or not vllm_live.installed()
+            or not any(_uses_vllm(item) for item in request.session.items)):
         yield
         return
     folder = Path(tempfile.mkdtemp(prefix="pdserve-vllm-forks-"))
@@ -149,6 +150,13 @@ def _vllm_fork_server(request: pytest.FixtureRequest) -> Iterator[None]:
     for server in started:
         server.stop()
     shutil.rmtree(folder, ignore_errors=True)
+
+
+def _uses_vllm(item: pytest.Item) -> bool:
+    """Whether the item's module took anything from vllm_live (so it may start live vLLM instances)."""
+    module = getattr(item, "module", None)
+    return module is not None and any(getattr(value, "__module__", None) == "vllm_live" or value is vllm_live
+                                      for value in vars(module).values())
 
 
 # Small enough to keep every engine cheap to build (the default budget zeroes ~0.5 GiB of KV cache).
