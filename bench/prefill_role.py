@@ -18,9 +18,9 @@ the instance holds no blocks (vllm:kv_cache_usage_perc == 0), so a round never w
   * prefill tokens/s: --concurrent requests of --concurrent-len tokens sent at once, tokens / (last answer - first
     send).
 
-vLLM's NIXL agent busy-polls a core from a progress thread even when idle; once vLLM is up its threads that spin
-while idle are put under SCHED_IDLE (bench/vllm_pd.py), so the polling only takes CPU nothing else wants. Both
-instances stay up for a dtype's run and only one computes at a time.
+vLLM's NIXL agent busy-polls a core from a progress thread even when idle; once vLLM is up that thread goes under
+SCHED_IDLE and, as root, into an idle cgroup (tests/nixl_spin.py), so the polling only takes CPU nothing else
+wants. Both instances stay up for a dtype's run and only one computes at a time.
 
   PDSERVE_VLLM_VENV=.cache/vllm .venv/bin/python bench/prefill_role.py --dtype float32,bfloat16 --json bench/out/p.json
   PDSERVE_VLLM_VENV=.cache/vllm .venv/bin/python bench/prefill_role.py --quick                 # smoke run
@@ -29,7 +29,6 @@ instances stay up for a dtype's run and only one computes at a time.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import signal
@@ -91,16 +90,13 @@ def start_engines(model: Path, dtype: str, args: argparse.Namespace, cleanup: H.
     env = {"OMP_NUM_THREADS": str(args.threads), "VLLM_CPU_KVCACHE_SPACE": "2",
            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(reserved_port())}
     vllm = start_vllm(model, name=f"P-{dtype}", max_model_len=args.max_model_len, wait=False, extra_args=tuple(common),
-                      env=env, kv_transfer_config=nixl, timeout=600, quiet_nixl=args.quiet_vllm_nixl)
+                      env=env, kv_transfer_config=nixl, timeout=600)
     cleanup.add(vllm.stop)
     pd = start_instance(model, *common, "--max-model-len", str(args.max_model_len), "--role", "prefill", "--threads",
                         str(args.threads), "--served-model-name", NAME, "--log-level", "warning", "--kv-transfer-config",
                         H.kv_config("kv_producer", kv_lease_duration=args.hold_s), name=f"P-{dtype}", timeout=180)
     cleanup.add(pd.stop)
-    ready(vllm, 600)
-    from vllm_pd import demote_idle_spinners
-
-    print(f"  vLLM: SCHED_IDLE for its idle busy-polling threads: {demote_idle_spinners([vllm])}", flush=True)
+    ready(vllm, 600)  # its NIXL progress thread at idle priority from here on
     return {"pdserve": pd.url, "vLLM": vllm.url}, {"pdserve": H.descendants(pd.pid), "vLLM": H.descendants(vllm.pid)}
 
 
@@ -247,9 +243,6 @@ def main() -> int:
     ap.add_argument("--hold-s", type=int, default=3, help="how long P holds an unread prefill's KV (s)")
     ap.add_argument("--wait-idle", type=float, default=5.0, help="wait up to S s for a quiet machine before each")
     ap.add_argument("--models-dir", default=str(BENCH.parent / ".cache" / "bench-models"))
-    ap.add_argument("--quiet-vllm-nixl", action="store_true",
-                    help="run vLLM's spinning NIXL progress thread at idle priority, as the tests do "
-                         "(tests/nixl_spin.py); by default vLLM runs as users run it")
     ap.add_argument("--quick", action="store_true", help="one rep, one concurrent round, fp32 only")
     ap.add_argument("--json")
     args = ap.parse_args()

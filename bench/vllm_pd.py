@@ -14,11 +14,11 @@ is compared with C in its own rounds (`--pairs push` measures push against C alo
 
 vLLM's NixlConnector creates its NIXL agent with the progress thread on and no delay between polls, so a thread in
 each of its P and D busy-polls a core even while idle; on a small box (2 cores) that slows everything beside it
-5-30x. Once the nixl pair is ready, the bench samples the CPU time of every thread of its processes over a second
-and puts the threads that spin while idle under SCHED_IDLE (an OS setting; neither vLLM nor pdserve is patched),
-so the polling takes only CPU nothing else wants; the threads are printed, and `--no-idle-spinners` leaves them as
-they are. Measured on 2 vCPUs it was not enough: C beside the nixl pair still ran 10-20x slower than beside the push
-pair, so push against nixl needs a box with a core per busy-polling process (docs/benchmarks.md section 10).
+5-30x. Once each instance of the nixl pair is healthy, its spinning thread goes under SCHED_IDLE and, as root, into
+an idle cgroup (tests/nixl_spin.py, as the tests do; an OS setting, neither vLLM nor pdserve is patched), so the
+polling takes only CPU nothing else wants; `--no-idle-spinners` leaves it as it is. SCHED_IDLE alone was not
+enough (docs/benchmarks.md section 10: C beside the nixl pair still ran 10-20x slower than beside the push pair):
+the kernel's per-session autogroups gave the spinner's session a whole share whatever its thread's policy.
 
   .venv/bin/python bench/vllm_pd.py --reps 1                         # smoke run
   .venv/bin/python bench/vllm_pd.py --reps 7 --json bench/out/vllm_pd.json
@@ -27,7 +27,6 @@ pair, so push against nixl needs a box with a core per busy-polling process (doc
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import sys
 import time
@@ -45,8 +44,10 @@ TARGETS = ("push", "nixl", "C")
 VOCAB = 32000  # the h256 preset's
 
 
-def start_pair(model: Path, max_model_len: int, target: str, cleanup: H.Cleanup) -> tuple[list[Any], str]:
-    """A target's vLLM instances (startups overlapping) and its gateway: (instances, gateway URL)."""
+def start_pair(model: Path, max_model_len: int, target: str, cleanup: H.Cleanup,
+               quiet_nixl: bool = True) -> tuple[list[Any], str]:
+    """A target's vLLM instances (startups overlapping) and its gateway: (instances, gateway URL). quiet_nixl: a
+    NixlConnector's spinning progress thread at idle priority once healthy."""
     from pdserve.launcher import start
 
     common = {"max_model_len": max_model_len, "wait": False}
@@ -55,7 +56,7 @@ def start_pair(model: Path, max_model_len: int, target: str, cleanup: H.Cleanup)
                            **common) for r in "PD"]
         args = ["--protocol", "push", "--prefill", made[0].url, "--decode", made[1].url]
     elif target == "nixl":
-        made = [start_vllm(model, name=f"nixl-{r}", role=role, quiet_nixl=False, **common)
+        made = [start_vllm(model, name=f"nixl-{r}", role=role, quiet_nixl=quiet_nixl, **common)
                 for r, role in (("P", "kv_producer"), ("D", "kv_consumer"))]
         args = ["--protocol", "pull", "--prefill", made[0].url, "--decode", made[1].url]
     else:
@@ -68,32 +69,6 @@ def start_pair(model: Path, max_model_len: int, target: str, cleanup: H.Cleanup)
     gateway = start("gateway", ["gateway", "--port", "0", "--log-level", "warning", *args])
     cleanup.add(gateway.stop)
     return [*made, gateway], gateway.url
-
-
-def _thread_cpu(pid: int) -> dict[tuple[int, int], float]:
-    """CPU seconds of each thread of `pid`, keyed (pid, tid)."""
-    try:
-        tids = [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        return {}
-    return {(pid, tid): H.cpu_seconds(pid, tid) for tid in tids}
-
-
-def demote_idle_spinners(instances: list[Any], window_s: float = 1.0, share: float = 0.1) -> list[str]:
-    """Threads of idle `instances` (and their children) that used more than `share` of a core over `window_s`
-    are busy-polling: put them under SCHED_IDLE. Returns them as "pid/tid name cpu%"."""
-    pids = [pid for instance in instances for pid in H.descendants(instance.pid)]
-    before = {k: v for pid in pids for k, v in _thread_cpu(pid).items()}
-    time.sleep(window_s)
-    demoted = []
-    for pid in pids:
-        for (p, tid), seconds in _thread_cpu(pid).items():
-            used = (seconds - before.get((p, tid), seconds)) / window_s
-            if used > share:
-                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-                name = Path(f"/proc/{p}/task/{tid}/comm").read_text().strip()
-                demoted.append(f"{p}/{tid} {name} {used:.0%}")
-    return demoted
 
 
 def ttft_ms(client: Any, url: str, length: int, seed: int) -> float:
@@ -144,10 +119,7 @@ def main() -> int:
     # One disaggregated pair at a time beside the colocated instance: the NixlConnector pair's NIXL progress
     # threads busy-poll a core each, which on a small box would slow every other target measured beside them.
     for pair_target in pairs:
-        running, url = start_pair(model, max_model_len, pair_target, cleanup)
-        if pair_target == "nixl" and not args.no_idle_spinners:
-            print(f"# nixl: SCHED_IDLE for its idle busy-polling threads: {demote_idle_spinners(running[:2])}",
-                  flush=True)
+        running, url = start_pair(model, max_model_len, pair_target, cleanup, not args.no_idle_spinners)
         gateways = {pair_target: url, "C": colocated}
         print(f"# {pair_target}: load {H.loadavg()}; gateways {gateways}", flush=True)
         with H.http_client(300) as client:
