@@ -1,7 +1,5 @@
-"""KV events without a model: vLLM's encodings decoded by name, the dual-key prefix index, and the gateway's
-listener against pdserve's real ZMQ publisher (PUB + replay ROUTER over ipc sockets in tmp_path): replay on
-connect, gaps from a real high-water-mark overflow, restarts, duplicates, foreign and malformed messages, a
-publisher that dies or was never there."""
+"""KV events without a model: vLLM's encodings decoded by name, the dual-key prefix index and the kv_aware policy
+(the listener's tests are in test_kv_listener.py)."""
 
 from __future__ import annotations
 
@@ -9,15 +7,10 @@ import time
 
 import msgspec
 import pytest
-import zmq
 
-from pdserve.kv_events.config import KVEventsConfig, PublisherAddress, parse_address, parse_config
+from pdserve.kv_events.config import PublisherAddress, parse_address, parse_config
 from pdserve.kv_events.index import PrefixIndex, content_keys
-from pdserve.kv_events.listener import Listener
-from pdserve.kv_events.publisher import KVEventPublisher
-from pdserve.kv_events.wire import (AllBlocksCleared, BlockRemoved, BlockStored, EventDecodeError, decode_batch,
-                                    encode_batch, KVEventBatch)
-from server_utils import wait_for
+from pdserve.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, EventDecodeError, decode_batch
 
 BS = 4
 
@@ -174,198 +167,7 @@ def test_a_credit_never_outlives_the_eviction_of_a_block_the_instance_already_he
     assert held(index, tokens, BS, "a") == 3
 
 
-# -- the listener against the real publisher ---------------------------------------------------------------
-@pytest.fixture
-def ipc(tmp_path):
-    def config(name: str, **extra) -> KVEventsConfig:
-        return KVEventsConfig(enable_kv_cache_events=True, endpoint=f"ipc://{tmp_path}/{name}.pub",
-                              replay_endpoint=f"ipc://{tmp_path}/{name}.replay", topic=f"kv@{name}", **extra)
-    return config
-
-
-@pytest.fixture
-def listening():
-    made = []
-
-    def make(**kwargs) -> tuple[PrefixIndex, Listener]:
-        index = PrefixIndex()
-        listener = Listener(index, **kwargs)
-        listener.start()
-        made.append(listener)
-        return index, listener
-
-    yield make
-    for listener in made:
-        listener.stop()
-
-
-def state(listener: Listener, member: str) -> str:
-    return listener.snapshot().get(member, ("absent",))[0]
-
-
-def publish_blocks(publisher: KVEventPublisher, first: int, count: int) -> None:
-    """`count` one-block batches, each block chained to the one before (block n holds tokens [n]*BS)."""
-    for n in range(first, first + count):
-        publisher.record(stored([n + 1], n if n else None, [n] * BS))
-        publisher.end_step()
-
-
-def chain(count: int) -> list[int]:
-    return [t for n in range(count) for t in [n] * BS] + [0]
-
-
-def test_late_subscriber_replays_history_then_follows_live(ipc, listening):
-    publisher = KVEventPublisher(ipc("p"), block_size=BS)
-    try:
-        publish_blocks(publisher, 0, 5)
-        wait_for(lambda: publisher.batches == 5, what="the publisher to send")
-        index, listener = listening()
-        listener.set_members({"p": publisher.address()})
-        wait_for(lambda: held(index, chain(5), BS, "p") == 5, what="the replay")
-        publish_blocks(publisher, 5, 3)
-        wait_for(lambda: held(index, chain(8), BS, "p") == 8, what="live batches")
-        state, counters = listener.snapshot()["p"]
-        assert state == "live" and counters.replays == 1 and counters.gaps == 0
-        listener.set_members({})  # it left the membership: gone from the index
-        wait_for(lambda: "p" not in index.held_blocks(), what="the member to be dropped")
-    finally:
-        publisher.close()
-
-
-@pytest.mark.parametrize("found_by", ["the next batch", "a quiet spell"])
-def test_events_lost_to_the_high_water_mark_are_replayed(ipc, listening, found_by):
-    """The subscriber stalls while thousands of batches are sent: past both high-water marks ZMQ drops them. The
-    loss shows as a gap when the next batch comes, or, if none comes, when the quiet publisher is asked. (While
-    stalled, the SUB socket's monitor may report a disconnect: the instance is then asked for a replay after
-    `retry_s` whether or not the redial is reported.)"""
-    publisher = KVEventPublisher(ipc("p", hwm=5), block_size=BS)
-    index, listener = listening(rcvhwm=5, idle_replay_s=0.3 if found_by == "a quiet spell" else 600)
-    try:
-        listener.set_members({"p": publisher.address()})
-        wait_for(lambda: state(listener, "p") == "live", what="the subscription")
-        listener._stopping.set()  # the subscriber stalls: nothing reads its socket while thousands are sent
-        listener._thread.join(5)
-        publish_blocks(publisher, 0, 3000)
-        wait_for(lambda: publisher.batches == 3000, timeout=60, what="the publisher to send")
-        listener._stopping.clear()
-        listener.start()
-        sent = 3000
-        if found_by == "the next batch":
-            wait_for(lambda: listener.snapshot()["p"][1].batches > 0, what="the batches that got through")
-            # A batch sent before the publisher's side learns that the stalled pipe drained is dropped too (ZMQ
-            # reactivates a pipe lazily), so the publisher goes on publishing as an engine would.
-            deadline = time.monotonic() + 30
-            while listener.snapshot()["p"][1].gaps == 0 and time.monotonic() < deadline:
-                publish_blocks(publisher, sent, 1)
-                sent += 1
-                time.sleep(0.05)
-        try:
-            wait_for(lambda: held(index, chain(sent), BS, "p") >= sent, timeout=60, what="a replay to fill the gap")
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}: {held(index, chain(sent), BS, 'p')} of {sent} blocks held, "
-                                 f"listener {listener.snapshot()}") from None
-        if found_by == "the next batch":
-            assert listener.snapshot()["p"][1].gaps >= 1
-    finally:
-        publisher.close()
-
-
-def test_a_restarted_publisher_is_rebuilt_and_a_dead_one_scored_by_load(ipc, listening):
-    config = ipc("p")
-    publisher = KVEventPublisher(config, block_size=BS)
-    index, listener = listening()
-    listener.set_members({"p": publisher.address()})
-    publish_blocks(publisher, 0, 4)
-    wait_for(lambda: held(index, chain(4), BS, "p") == 4, what="the first engine's blocks")
-    publisher.close()  # the engine dies: its blocks must not be credited any more
-    wait_for(lambda: "p" not in index.held_blocks(), what="the dead publisher to be dropped")
-    publisher = KVEventPublisher(config, block_size=BS)  # restarted: sequence from 0, another cache
-    try:
-        publisher.record(stored([77], None, [9] * BS))
-        publisher.end_step()
-        wait_for(lambda: held(index, [9] * BS + [0], BS, "p") == 1, what="the new engine's blocks")
-        assert held(index, chain(4), BS, "p") == 0
-        assert listener.snapshot()["p"][1].disconnects >= 1
-    finally:
-        publisher.close()
-
-
-def test_duplicated_foreign_and_malformed_messages(ipc, listening, tmp_path):
-    """A raw PUB socket speaks for the publisher: a batch sent twice, frames that are no batch, a payload that is
-    no msgpack; the replay endpoint is absent, so every repair is a clear of that instance."""
-    ctx = zmq.Context()
-    pub = ctx.socket(zmq.PUB)
-    pub.bind(f"ipc://{tmp_path}/raw.pub")
-    index, listener = listening()
-    try:
-        listener.set_members({"p": PublisherAddress(endpoint=f"ipc://{tmp_path}/raw.pub")})
-        wait_for(lambda: state(listener, "p") == "live", what="the subscription")
-
-        def send(seq: int, events) -> None:
-            pub.send_multipart([b"", seq.to_bytes(8, "big"), encode_batch(KVEventBatch(time.time(), events))])
-
-        time.sleep(0.3)  # a SUB's subscription reaches a PUB a moment after it connects
-        send(0, [stored([1], None, [0] * BS)])
-        send(1, [stored([2], 1, [1] * BS)])
-        wait_for(lambda: held(index, chain(2), BS, "p") == 2, what="two blocks")
-        send(1, [stored([2], 1, [1] * BS)])  # the same batch again: the sequence went back
-        pub.send_multipart([b"not", b"a batch"])  # foreign framing: ignored
-        pub.send_multipart([b"", (2).to_bytes(8, "big"), b"\xc1"])  # undecodable: the instance is cleared
-        send(3, [stored([5], None, [7] * BS)])
-        wait_for(lambda: held(index, [7] * BS + [0], BS, "p") == 1, what="the batch after the bad one")
-        counters = listener.snapshot()["p"][1]
-        assert counters.restarts == 1 and counters.decode_errors == 2
-        assert held(index, chain(2), BS, "p") == 0  # cleared, never credited from a broken stream
-    finally:
-        ctx.destroy(linger=0)
-
-
-def test_an_unreachable_publisher_is_never_an_error(tmp_path, ipc, listening):
-    """A publisher nobody answers at, and an endpoint ZMQ refuses outright (a membership record carries whatever it
-    was given): neither is subscribed to as live, and the listener goes on serving the others."""
-    index, listener = listening(replay_timeout_s=0.3, retry_s=0.2)
-    listener.set_members({"gone": PublisherAddress(endpoint=f"ipc://{tmp_path}/nobody.pub",
-                                                   replay_endpoint=f"ipc://{tmp_path}/nobody.replay"),
-                          "bad": PublisherAddress(endpoint="tcp://no-port-here")})
-    time.sleep(0.5)
-    assert state(listener, "gone") == "connecting" and index.held_blocks() == {}
-    assert "bad" not in listener.snapshot()
-    publisher = KVEventPublisher(ipc("ok"), block_size=BS)
-    try:
-        listener.set_members({"ok": publisher.address(), "bad": PublisherAddress(endpoint="tcp://no-port-here")})
-        wait_for(lambda: state(listener, "ok") == "live", what="a good publisher beside a refused one")
-    finally:
-        publisher.close()
-
-
-def test_the_index_mirrors_an_engine_prefix_cache(make_llm, llama_dir, ipc, listening):
-    """An engine whose cache is too small for its prompts stores, evicts and resets blocks; the index built from
-    its events holds exactly what its block pool holds, keyed so that a prompt's cached prefix is found."""
-    from pdserve.sampling_params import SamplingParams
-    from conftest import random_prompt
-
-    llm = make_llm(llama_dir, num_kv_blocks=40, max_model_len=256)
-    publisher = KVEventPublisher(ipc("engine"), block_size=16)
-    llm.engine.publish_kv_events(publisher)
-    index, listener = listening()
-    listener.set_members({"engine": publisher.address()})
-    try:
-        prompts = [random_prompt(100, seed) for seed in range(8)]  # 6 full blocks each: 48 > 40 blocks
-        llm.generate([p + [7] * 20 for p in prompts[:2]] + prompts, SamplingParams(max_tokens=4, temperature=0))
-        pool = llm.engine.kv.pool
-        assert publisher.dropped == 0
-        wait_for(lambda: index.held_blocks().get("engine") == len(pool.cached), what="the index to match the pool")
-        assert held(index, prompts[-1] + [1], 16, "engine") == 6  # the newest prompt is still cached
-        assert held(index, prompts[0] + [1], 16, "engine") < 6  # the oldest lost blocks to eviction
-        assert index.stats.events["BlockRemoved"] > 0 and index.stats.orphans == 0
-        llm.engine.kv.reset_prefix_cache()
-        llm.generate([prompts[1]], SamplingParams(max_tokens=1))
-        wait_for(lambda: index.held_blocks().get("engine") == len(pool.cached) == 6, what="a reset, then one prompt")
-        assert index.stats.events["AllBlocksCleared"] == 1
-    finally:
-        publisher.close()
-
-
+# -- routing ---------------------------------------------------------------------------------------------
 def test_kv_aware_weighs_cached_tokens_against_load_and_credits_its_choice():
     from pdserve.gateway.registry import Instance
     from pdserve.kv_events.policy import KvAware
@@ -397,6 +199,10 @@ def test_kv_aware_weighs_cached_tokens_against_load_and_credits_its_choice():
     # Only a publishing member is credited at once: a burst with one prefix finds it before its events come.
     assert held(index, other, BS, b.url) == (16 if chosen is b else 0)
     assert held(index, other, BS, c.url) == 0
+    # The index is brought up to the events received before it is read: what `catch_up` applies decides the pick.
+    late = list(range(500, 565))
+    caught_up = KvAware(index, catch_up=lambda: index.apply(c.url, [stored(list(range(40, 56)), None, late[:64])]))
+    assert caught_up.pick([a, b, c], prompt=RoutedPrompt(late)) is c
 
 
 def test_where_an_instance_publishes_comes_from_its_membership_record():

@@ -17,7 +17,8 @@ more, or by the LRU bound: a store evicts and expires without events, so an entr
 then (a routing miss at worst: the instance prefills what it does not find). The entries live in one LRU bounded by
 `capacity`; the oldest go first, and are counted. Speculative credits (blocks the gateway just routed a prompt to,
 before the instance's events say so) live apart, for `speculative_ttl_s` or until an event confirms them.
-Every method takes the index's lock: the listener thread writes while the event loop scores.
+Every method takes the index's lock: a listener in a thread of its own writes while the event loop scores (in the
+gateway both run in the loop, and the lock is never contended).
 """
 
 from __future__ import annotations

@@ -1,5 +1,12 @@
-"""The gateway's subscriptions: one thread, one SUB (+ a DEALER for replay) per publishing instance, feeding the
-prefix index.
+"""The gateway's subscriptions: one SUB (+ a DEALER for replay) per publishing instance, feeding the prefix index.
+
+The gateway runs them in its event loop (`attach`), and reads the live batches when it is about to read the index:
+`catch_up` before each pick, and a timer (`_LOOP_TICK_S`) between picks. A thread woken for every batch (or a loop
+reader woken for each) spent several times the batch's own work on being woken; read at a pick, the batches that
+came since the last one are read in a turn the loop is awake for anyway, and the index is as fresh at the pick as
+if each had been read on arrival. Connections and replays (rare) are read as they come. One turn reads at most
+`_BUDGET` messages of a socket, so a long replay does not stall requests. Without a loop (`start`) everything runs
+in a thread of its own, as the tests also drive it.
 
 Per instance, the subscription is a small state machine:
 
@@ -20,6 +27,7 @@ Per instance, the subscription is a small state machine:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
@@ -39,6 +47,10 @@ _MAX_WAIT_S = 1.0  # the thread sleeps until a socket, a command or its next dea
 _SWEEP_S = 1.0
 _MAX_HELD = 10_000  # live batches kept while a replay runs; past it the replay starts over
 _END_SEQ = -1
+_BUDGET = 64  # messages read from one socket per turn; the rest in the next turn
+# In a loop, live batches between picks and the deadlines are taken on this timer: a batch waits at most this long
+# while no request comes (the index is read only at a pick), and a deadline set meanwhile is seen within it.
+_LOOP_TICK_S = 0.25
 # A plain int: pyzmq's flag enum would run Python code on every `&` of a socket's EVENTS with it.
 _POLLIN = int(zmq.POLLIN)
 
@@ -90,14 +102,30 @@ class Listener:
         self._poller.register(self._wake_rx, zmq.POLLIN)
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._next_sweep = 0.0
 
     # -- the event loop's side ------------------------------------------------------------------------
     def start(self) -> None:
+        """Run in a thread of its own."""
         self._thread = threading.Thread(target=self._run, name="pdserve-kv-index", daemon=True)
         self._thread.start()
 
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Run in `loop`, from its own thread (which must also call `stop` and `catch_up`)."""
+        self._loop = loop
+        for sock, (_, role) in list(self._by_socket.items()):
+            if role != "sub":
+                self._read_in_loop(sock)
+        self._apply_commands()
+        self._next_sweep = time.monotonic() + _SWEEP_S
+        self._tick()
+
     def stop(self) -> None:
         self._stopping.set()
+        if self._timer is not None:
+            self._timer.cancel()
         self._wake()
         if self._thread is not None:
             self._thread.join(5)
@@ -105,10 +133,19 @@ class Listener:
             self._close(sub)
         self._ctx.destroy(linger=0)
 
+    def catch_up(self) -> None:
+        """Apply the live batches received so far (in a loop; a listener in its own thread reads them itself)."""
+        if self._loop is not None:
+            for sub in list(self._subs.values()):
+                self._read_live(sub)
+
     def set_members(self, members: dict[str, PublisherAddress]) -> None:
         """The instances that publish and where; the listener subscribes, resubscribes and drops to match."""
         self._commands.put(dict(members))
-        self._wake()
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._apply_commands)
+        else:
+            self._wake()
 
     def _wake(self) -> None:
         try:
@@ -120,13 +157,12 @@ class Listener:
         """Each subscription's state and counters (read by the metrics; plain values, safe across threads)."""
         return {name: (sub.state, sub.counters) for name, sub in list(self._subs.items())}
 
-    # -- the listener thread --------------------------------------------------------------------------
+    # -- reading the sockets: in the listener's thread, or in the loop ------------------------------------
     def _run(self) -> None:
-        next_sweep = time.monotonic() + _SWEEP_S
+        self._next_sweep = time.monotonic() + _SWEEP_S
         while not self._stopping.is_set():
             self._apply_commands()
-            wake_at = min([next_sweep, *(s.deadline for s in self._subs.values() if s.deadline)])
-            wait_ms = int(max(0.0, min(wake_at - time.monotonic(), _MAX_WAIT_S)) * 1000) + 1
+            wait_ms = int(self._on_time(_MAX_WAIT_S) * 1000) + 1
             for sock, _ in self._poller.poll(wait_ms):
                 owner = self._by_socket.get(sock)
                 if owner is not None:
@@ -134,27 +170,57 @@ class Listener:
                 elif sock is self._wake_rx:
                     while self._wake_rx.poll(0):
                         self._wake_rx.recv()
-            now = time.monotonic()
-            for sub in list(self._subs.values()):
-                if sub.deadline and now >= sub.deadline:
-                    self._on_deadline(sub)
-            if now >= next_sweep:
-                self.index.sweep()
-                next_sweep = now + _SWEEP_S
 
-    def _dispatch(self, sub: _Subscription, role: str) -> None:
+    def _on_time(self, longest: float) -> float:
+        """Act on the deadlines that passed and sweep when due; the seconds until the next one (at most `longest`)."""
+        now = time.monotonic()
+        for sub in list(self._subs.values()):
+            if sub.deadline and now >= sub.deadline:
+                self._on_deadline(sub)
+        if now >= self._next_sweep:
+            self.index.sweep()
+            self._next_sweep = now + _SWEEP_S
+        wake_at = min([self._next_sweep, *(s.deadline for s in self._subs.values() if s.deadline)])
+        return max(0.0, min(wake_at - time.monotonic(), longest))
+
+    def _tick(self) -> None:
+        if self._stopping.is_set():
+            return
+        self.catch_up()
+        self._timer = self._loop.call_later(self._on_time(_LOOP_TICK_S), self._tick)
+
+    def _read_live(self, sub: _Subscription) -> None:
+        if self._stopping.is_set() or self._subs.get(sub.member) is not sub:  # a pick while stopping; a member gone
+            return
+        if self._dispatch(sub, "sub"):
+            self._loop.call_soon(self._read_live, sub)  # past the budget: the rest in the next turn
+
+    def _read_in_loop(self, sock: zmq.Socket) -> None:
+        """ZMQ signals a socket's descriptor on a change only (edge-triggered): a socket is read until it says
+        nothing waits, and read once now for what came before it was watched."""
+        self._loop.add_reader(sock.FD, self._readable, sock)
+        self._loop.call_soon(self._readable, sock)
+
+    def _readable(self, sock: zmq.Socket) -> None:
+        owner = self._by_socket.get(sock)
+        if owner is not None and self._dispatch(*owner):
+            self._loop.call_soon(self._readable, sock)  # past the budget: the rest in the next turn
+
+    def _dispatch(self, sub: _Subscription, role: str) -> bool:
+        """Read what waits on the socket, up to the budget; whether more may wait."""
         try:
             if role == "sub":
-                self._drain_live(sub)
-            elif role == "monitor":
+                return self._drain_live(sub)
+            if role == "monitor":
                 self._drain_monitor(sub)
-            else:
-                self._drain_replay(sub)
+                return False
+            return self._drain_replay(sub)
         except zmq.ZMQError as exc:
             log.warning("KV events from %s: %s", sub.member, exc)
+            return False
 
     def _apply_commands(self) -> None:
-        while not self._commands.empty():  # only this thread takes from the queue: a non-empty one has an item
+        while not self._commands.empty():  # only the listener's thread (or loop) takes from it: an item waits
             wanted = self._commands.get_nowait()
             for name in [n for n, s in self._subs.items() if wanted.get(n) != s.address]:
                 self._close(self._subs.pop(name))
@@ -188,12 +254,16 @@ class Listener:
     def _watch(self, sub: _Subscription, sock: zmq.Socket, role: str) -> None:
         self._poller.register(sock, zmq.POLLIN)
         self._by_socket[sock] = (sub, role)
+        if self._loop is not None and role != "sub":
+            self._read_in_loop(sock)
 
     def _unwatch(self, sock: zmq.Socket | None) -> None:
         if sock is None:
             return
         self._poller.unregister(sock)
-        self._by_socket.pop(sock, None)
+        owner = self._by_socket.pop(sock, None)
+        if owner is not None and owner[1] != "sub" and self._loop is not None:
+            self._loop.remove_reader(sock.FD)
         sock.close(linger=0)
 
     def _close(self, sub: _Subscription) -> None:
@@ -258,8 +328,10 @@ class Listener:
         sub.state, sub.hole, sub.replayed = "replaying", False, 0
         sub.deadline = time.monotonic() + self.replay_timeout_s
 
-    def _drain_replay(self, sub: _Subscription) -> None:
-        while sub.dealer is not None and sub.dealer.poll(0):
+    def _drain_replay(self, sub: _Subscription) -> bool:
+        for _ in range(_BUDGET):
+            if sub.dealer is None or not sub.dealer.poll(0):
+                return False
             frames = sub.dealer.recv_multipart()
             if sub.state != "replaying" or len(frames) not in (3, 4) or len(frames[-2]) != 8:
                 continue
@@ -269,7 +341,7 @@ class Listener:
                     self._start_replay(sub, sub.next_seq or 0, clear=sub.next_seq is None)
                 else:
                     self._end_replay(sub)
-                return
+                return False
             if sub.hole:
                 continue
             sub.replayed += 1
@@ -283,6 +355,7 @@ class Listener:
                 sub.next_seq = None
             if sub.next_seq is None or seq == sub.next_seq:
                 self._apply(sub, seq, frames[-1])
+        return True
 
     def _end_replay(self, sub: _Subscription) -> None:
         sub.state = "live"
@@ -299,10 +372,12 @@ class Listener:
                 return
 
     # -- live batches ------------------------------------------------------------------------------------
-    def _drain_live(self, sub: _Subscription) -> None:
+    def _drain_live(self, sub: _Subscription) -> bool:
         # The socket is asked whether a message waits rather than left to fail a receive: pyzmq builds an exception
         # (its errno turned into an enum, its message looked up) for every failed receive, once per batch here.
-        while sub.sub.getsockopt(zmq.EVENTS) & _POLLIN:
+        for _ in range(_BUDGET):
+            if not sub.sub.getsockopt(zmq.EVENTS) & _POLLIN:
+                return False
             frames = sub.sub.recv_multipart(zmq.NOBLOCK)
             if len(frames) != 3 or len(frames[1]) != 8:
                 sub.counters.decode_errors += 1
@@ -315,6 +390,7 @@ class Listener:
                     sub.held.clear()
             elif sub.state == "live":
                 self._on_batch(sub, seq, frames[2])
+        return True
 
     def _on_batch(self, sub: _Subscription, seq: int, payload: bytes) -> None:
         expected = sub.next_seq

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 
 from pdserve.gateway.policies import Policy
 from pdserve.gateway.registry import Instance
@@ -35,9 +36,13 @@ class KvAware(Policy):
     name = "kv_aware"
     wants_prompt = True
 
-    def __init__(self, index: PrefixIndex, overlap_weight: float = 2.0) -> None:
+    def __init__(self, index: PrefixIndex, overlap_weight: float = 2.0, catch_up: Callable[[], None] | None = None
+                 ) -> None:
+        """`catch_up`: brings the index up to the events received so far (the listener's, when it reads them only
+        when asked)."""
         self.index = index
         self.overlap_weight = overlap_weight
+        self.catch_up = catch_up
         self._tiebreak = itertools.count()
 
     def pick(self, candidates: list[Instance], affinity: bytes = b"", prompt: RoutedPrompt | None = None) -> Instance:
@@ -45,6 +50,8 @@ class KvAware(Policy):
         rotated = candidates[start:] + candidates[:start]
         if prompt is None or prompt.tokens is None:
             return min(rotated, key=lambda i: (i.pending_tokens + i.active_tokens, i.in_flight))
+        if self.catch_up is not None:
+            self.catch_up()
         cached = self.cached_tokens(rotated, prompt)
         n = prompt.num_tokens
         w = self.overlap_weight

@@ -74,7 +74,7 @@ class KVRouting:
         self._members: dict[str, PublisherAddress] | None = None
 
     def policy(self) -> KvAware:
-        return KvAware(self.index, self.overlap_weight)
+        return KvAware(self.index, self.overlap_weight, self.listener.catch_up)
 
     def prompt_of(self, body: dict[str, Any]) -> RoutedPrompt:
         if self.tokenizer is not None:
@@ -82,7 +82,8 @@ class KVRouting:
         return RoutedPrompt(token_ids(body.get("prompt")))
 
     def start(self) -> None:
-        self.listener.start()
+        """From the event loop, which the listener then runs in."""
+        self.listener.attach(asyncio.get_running_loop())
         self._sync()
         self._task = asyncio.create_task(self._membership_loop())
 
@@ -90,7 +91,7 @@ class KVRouting:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        await asyncio.to_thread(self.listener.stop)
+        self.listener.stop()
 
     async def _membership_loop(self) -> None:
         while True:
@@ -103,6 +104,6 @@ class KVRouting:
             address = publisher_of(instance)
             if address is not None:
                 members[instance.url] = address
-        if members != self._members:  # the listener thread is woken only for a change
+        if members != self._members:  # the listener is told only of a change
             self._members = members
             self.listener.set_members(members)
