@@ -4,8 +4,8 @@ The venv comes from scripts/install_vllm.sh (the one place the recipe lives); PD
 existing one instead. Outside CI a failed install skips the test with the reason; under CI=true it fails it.
 
 Each vLLM process with the NixlConnector busy-polls a core (NIXL's UCX progress thread): once such an instance is
-healthy, tests move that thread to SCHED_IDLE (tests/nixl_spin.py); benchmarks leave vLLM as users run it. Callers
-still keep few instances alive at once (module-scoped fixtures) and stop them as soon as they are done.
+healthy, its thread goes to SCHED_IDLE (tests/nixl_spin.py; `quiet_nixl=False` leaves vLLM as users run it).
+Callers still keep few instances alive at once (module-scoped fixtures) and stop them as soon as they are done.
 """
 
 from __future__ import annotations
