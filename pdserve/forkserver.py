@@ -77,12 +77,14 @@ class Profile(NamedTuple):
     run_time_vars: frozenset[str]
     run_time_prefix: str
     program: str  # the child's sys.argv[0]: a path, relative to the interpreter's folder when it has no slash
+    entry: str  # "module:function", called with no arguments: it reads the child's sys.argv
 
 
 PROFILES = {
     "pdserve": Profile(("numpy",), PRELOAD, RUN_TIME_VARS, RUN_TIME_PREFIX,
-                       os.path.join(os.path.dirname(__file__), "__main__.py")),
-    "vllm": Profile(("numpy", "cv2"), VLLM_PRELOAD, VLLM_RUN_TIME_VARS, RUN_TIME_PREFIX, "vllm"),
+                       os.path.join(os.path.dirname(__file__), "__main__.py"), "pdserve.cli:main"),
+    "vllm": Profile(("numpy", "cv2"), VLLM_PRELOAD, VLLM_RUN_TIME_VARS, RUN_TIME_PREFIX, "vllm",
+                    "vllm.entrypoints.cli.main:main"),
 }
 _MESSAGE_BYTES = 1 << 20
 _ANSWER_S = 60.0  # a fork takes milliseconds; this only bounds a wait on a server that is stuck
@@ -412,8 +414,7 @@ def _close(fileobj: socket.socket | int) -> None:
 
 def main(argv: list[str]) -> int:
     """`python -m pdserve.forkserver SOCKET [PROFILE]`, PROFILE one of PROFILES (pdserve by default)."""
-    profile_name = argv[1] if len(argv) > 1 else "pdserve"
-    profile = PROFILES[profile_name]
+    profile = PROFILES[argv[1] if len(argv) > 1 else "pdserve"]
     launch_env = dict(os.environ)
     preload(profile)
     server = _Server(argv[0], profile, launch_env)
@@ -421,14 +422,8 @@ def main(argv: list[str]) -> int:
     request = server.run()
     if request is None:
         return 0
-    if profile_name == "vllm":
-        from vllm.entrypoints.cli.main import main as run_vllm
-
-        run_vllm()  # reads sys.argv, set to the request's
-        return 0
-    from pdserve.cli import main as run_cli
-
-    return run_cli(request.args)
+    module, function = profile.entry.split(":")
+    return getattr(import_module(module), function)() or 0  # it reads sys.argv, set to the request's
 
 
 if __name__ == "__main__":
