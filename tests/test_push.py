@@ -6,6 +6,7 @@ import json
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -16,6 +17,7 @@ from pdserve.launcher import start, start_instance
 from server_utils import (CROSS_PROCESS_LOGPROB_TOL, data_planes, metric_values, sse_events, wait_for,
                           wait_until_idle)
 
+ADMIN = {"Authorization": "Bearer push-tests-admin"}
 COMMON = ["--max-model-len", "512", "--num-kv-blocks", "192", "--served-model-name", "tiny",
           "--max-num-batched-tokens", "16"]
 
@@ -32,10 +34,12 @@ def cluster(request, models, tmp_path_factory):
 
     procs = []
     try:
-        # P's steps are slowed (a drill setting) so a test can register while P is partway through a prefill.
-        procs.append(start_instance(model, *COMMON, "--kv-transfer-config",
-                                    kv("kv_producer", "P", kv_lease_duration=2.0,
-                                       fault_injection={"step_delay_s": 0.01}), name="P"))
+        # P's steps can be slowed at run time (a drill setting) so a test can register while P is partway through
+        # a prefill; the others run it at full speed, so 32 queued requests reach P well inside its 2 s lease.
+        procs.append(start_instance(model, *COMMON, "--admin-token", ADMIN["Authorization"].split()[1],
+                                    "--kv-transfer-config",
+                                    kv("kv_producer", "P", kv_lease_duration=2.0, fault_injection_api=True),
+                                    name="P"))
         procs.append(start_instance(model, *COMMON, "--kv-transfer-config",
                                     kv("kv_consumer", "D", push_registration_timeout=3.0), name="D"))
         procs.append(start_instance(model, *COMMON, name="C"))
@@ -54,6 +58,18 @@ def ends_clean(cluster):
         idle = wait_until_idle(cluster[name].url, timeout=15)
         assert idle["pdserve:kv_transfer_map_size"] == 0, f"{name} left transfer map entries"
         assert idle.get("pdserve:kv_push_expected", 0) == 0
+
+
+@contextmanager
+def slow_steps(cluster, step_delay_s: float):
+    """Every step of P takes `step_delay_s` longer until the block ends: a 480-token prefill at 16 tokens a step
+    then lasts 30 × that, long enough to be caught running even on a loaded box."""
+    url = cluster["P"].url + "/v1/kv/faults"
+    assert httpx.post(url, json={"step_delay_s": step_delay_s}, headers=ADMIN, timeout=10).status_code == 200
+    try:
+        yield
+    finally:
+        assert httpx.post(url, json={}, headers=ADMIN, timeout=10).status_code == 200
 
 
 def completion(url: str, body: dict, **kw) -> httpx.Response:
@@ -182,7 +198,7 @@ def test_registration_after_prefill_finished(cluster):
 def test_registration_during_prefill(cluster):
     """A long chunked prefill on P (16 tokens per step); D registers while P is partway through."""
     prompt, xfer = list(range(1, 481)), new_transfer_id()
-    with ThreadPoolExecutor(2) as pool:
+    with slow_steps(cluster, 0.05), ThreadPoolExecutor(2) as pool:
         p = pool.submit(prefill_leg, cluster, prompt, xfer)
         wait_for(lambda: metric_values(cluster["P"].url)["vllm:num_requests_running"] == 1, what="P to start")
         d = pool.submit(decode_leg, cluster, prompt, xfer)
@@ -240,7 +256,7 @@ def test_abort_during_writes(cluster):
     for attempt in range(4):
         prompt, xfer = list(range(2 + attempt, 482 + attempt)), new_transfer_id()
         before = metric_values(cluster["D"].url)
-        with ThreadPoolExecutor(1) as pool:
+        with slow_steps(cluster, 0.02), ThreadPoolExecutor(1) as pool:
             p = pool.submit(prefill_leg, cluster, prompt, xfer)
             # P may finish the whole prefill between two polls of its gauge: then this try registers late and
             # the push completes (caught below as a try that did not race), rather than a wait for what passed.
