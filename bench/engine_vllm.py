@@ -376,6 +376,10 @@ def main(args: argparse.Namespace) -> int:
         archive = subprocess.run(["git", "archive", args.baseline, "pdserve"], cwd=ROOT, check=True,
                                  capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", str(args.baseline_src)], input=archive, check=True)
+        # An instance only loads kernels already in the build cache (it never compiles while it starts), and the
+        # cache is keyed by the source: without this the base runs its plain-torch fallback.
+        subprocess.run([sys.executable, "-m", "pdserve.native"], check=True, cwd=args.baseline_src,
+                       env={**os.environ, "PYTHONPATH": str(args.baseline_src)})
     if "vLLM" in args.engines and vllm_python() is None:
         E.log("no vLLM venv (.cache/vllm or PDSERVE_VLLM_VENV; scripts/install_vllm.sh makes one): vLLM skipped")
         args.engines.remove("vLLM")

@@ -118,7 +118,7 @@ class Fleet:
         extra = ["--kv-transfer-config", self.config] if self.config else []
         self.servers.instance(key, self.model, "--threads", "1", "--num-kv-blocks", str(a.kv_blocks),
                               "--max-model-len", str(a.max_model_len), "--served-model-name", "tiny",
-                              "--disable-log-requests", *extra)
+                              "--dtype", a.dtype, "--disable-log-requests", *extra)
 
     def restart(self, index: int) -> None:
         key = self.keys[index]
@@ -164,6 +164,7 @@ def turns(fleet: Fleet, users: list[Conversation], args: argparse.Namespace, cou
     goes to instance `route(u, t)` (round-robin by default). TTFTs (by instance) and output tokens per second."""
     route = route or (lambda u, t: u + t)
     ttfts: dict[int, list[float]] = {}
+    by_turn: dict[int, list[float]] = {}
     rids: dict[int, list[str]] = {}
     out_tokens = [0]
     lock = threading.Lock()
@@ -176,18 +177,20 @@ def turns(fleet: Fleet, users: list[Conversation], args: argparse.Namespace, cou
                 index = route(u, conv.turn) % len(fleet.keys)
                 rid = f"kvs-{uuid.uuid4().hex[:16]}"
                 ttft, answer = ask(client, fleet.url(index), prompt, args.answer, rid)
-                conv.history, conv.turn = prompt + answer, conv.turn + 1
                 with lock:
+                    by_turn.setdefault(conv.turn, []).append(ttft)
                     ttfts.setdefault(index, []).append(ttft)
                     rids.setdefault(index, []).append(rid)
                     out_tokens[0] += len(answer)
+                conv.history, conv.turn = prompt + answer, conv.turn + 1
 
     t0 = time.monotonic()
     with ThreadPoolExecutor(args.concurrency) as pool:
         list(pool.map(user, range(len(users))))
     wall = time.monotonic() - t0
     return {"ttft": [t for ts in ttfts.values() for t in ts], "by_instance": ttfts, "rids": rids, "wall": wall,
-            "tok_s": out_tokens[0] / wall}
+            "tok_s": out_tokens[0] / wall, "first_turn": by_turn.get(0, []),
+            "later_turns": [t for turn, ts in by_turn.items() if turn > 0 for t in ts]}
 
 
 def conversations(args: argparse.Namespace, seed: int) -> list[Conversation]:
@@ -248,7 +251,12 @@ def summarize(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, f
     out = {}
     for mode, runs in results.items():
         ttft = [t for r in runs for t in r["ttft"]]
+        # A conversation's first turn has nothing to reuse; the later turns are what a store can shorten.
+        first, later = ([t for r in runs for t in r[part]] for part in ("first_turn", "later_turns"))
         out[mode] = {"ttft_p50_ms": p(ttft, 50) * 1e3, "ttft_p90_ms": p(ttft, 90) * 1e3,
+                     "first_turn_p90_ms": p(first, 90) * 1e3 if first else 0.0,
+                     "later_turns_p50_ms": p(later, 50) * 1e3 if later else 0.0,
+                     "later_turns_p90_ms": p(later, 90) * 1e3 if later else 0.0,
                      "tok_s": H.median([r["tok_s"] for r in runs]), "computed": sum(r["computed"] for r in runs),
                      "loaded": sum(r["loaded"] for r in runs), "written": sum(r["written"] for r in runs),
                      "dropped": sum(r["dropped"] for r in runs)}
@@ -258,10 +266,16 @@ def summarize(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, f
             row["ttft_p90_ratio"] = row["ttft_p90_ms"] / base["ttft_p90_ms"]
             row["ttft_p50_ratio"] = row["ttft_p50_ms"] / base["ttft_p50_ms"]
             row["tok_s_ratio"] = row["tok_s"] / base["tok_s"]
+            if base["later_turns_p90_ms"]:
+                row["later_turns_p90_ratio"] = row["later_turns_p90_ms"] / base["later_turns_p90_ms"]
         print(f"{mode:9s} TTFT p50 {row['ttft_p50_ms']:7.1f} ms p90 {row['ttft_p90_ms']:7.1f} ms, "
               f"{row['tok_s']:6.1f} tok/s" + (f"  vs none: p90 {row['ttft_p90_ratio']:.2f}x, p50 "
                                               f"{row['ttft_p50_ratio']:.2f}x, throughput {row['tok_s_ratio']:.2f}x"
                                               if "tok_s_ratio" in row else ""), flush=True)
+        print(f"{'':9s} first turns p90 {row['first_turn_p90_ms']:7.1f} ms; later turns p50 "
+              f"{row['later_turns_p50_ms']:7.1f} ms p90 {row['later_turns_p90_ms']:7.1f} ms"
+              + (f"  (vs none {row['later_turns_p90_ratio']:.2f}x)" if "later_turns_p90_ratio" in row else ""),
+              flush=True)
     return out
 
 
@@ -358,6 +372,8 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=6, help="users asking at once")
     ap.add_argument("--kv-blocks", type=int, default=400, help="each instance's KV cache, in blocks of 16 tokens")
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="the instances' weights and KV cache (bfloat16 halves the bytes a block puts in the store)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--restarts", type=int, default=1, help="restarts of instance 0 per mode (samples pooled)")
     ap.add_argument("--json", default=None)

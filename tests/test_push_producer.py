@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import msgspec
+
 from pdserve.ids import ReqId, TransferId
 from pdserve.kv_transfer.messages import PushRegister
 from pdserve.kv_transfer.push.producer import PushProducer
@@ -117,3 +119,26 @@ def test_a_request_ended_without_a_hand_off_is_forgotten_not_reported():
         assert [e for e in link.settled() if e[0] == "done"] == ([("done", False)] if registered else [])
         assert producer.finished_requests() == set()
         assert XFER not in producer.sources
+
+
+def test_a_registration_for_a_queued_request_waits_past_the_deadline():
+    """D registered before P scheduled the request. If P has the request in its queue, the registration waits
+    for it however long that takes (D's own deadline bounds it); one P never got is answered "no such transfer"
+    at P's deadline."""
+    other = TransferId("xfer-unknown")
+    link = RecordingLink()
+    producer = PushProducer(link, TransferMap(), BLOCK, LAYERS, unregistered_timeout_s=0.0)
+    producer.bind([], [], [XFER])  # admitted, waiting behind other requests
+    link.arrived += [registration(), PushRegister(**{**msgspec.structs.asdict(registration()), "transfer_id": other})]
+    producer.start_step()
+    producer.end_step()
+    assert link.settled() == [("done", False)]  # the unknown one, at once (a deadline of 0 s)
+    producer.start_step()
+    producer.end_step()
+    assert link.settled() == [("done", False)]  # the queued one still waits
+    producer.bind([PushChunk(RID, XFER, (0, 1), 0, 32, last=True)], [])  # scheduled at last
+    producer.start_step()
+    for layer in range(LAYERS):
+        producer.save_layer(layer)
+    producer.end_step()
+    assert link.settled()[1:] == [*(("write", (0, 1), (10, 11), layer) for layer in range(LAYERS)), ("done", True)]

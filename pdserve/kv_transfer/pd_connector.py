@@ -79,6 +79,7 @@ class PdConnectorMetadata(KVConnectorMetadata):
     unwatch: list[WatchSpec] = field(default_factory=list)
     push_chunks: list[PushChunk] = field(default_factory=list)  # P: what this step computed for push requests
     push_ended: list[PushEnded] = field(default_factory=list)  # P: push requests that finished
+    push_queued: list[TransferId] = field(default_factory=list)  # P: push requests admitted, not yet computed
     pushes: list[PushRegistration] = field(default_factory=list)  # D: blocks to register with a P
     cancel_pushes: list[TransferId] = field(default_factory=list)  # D: transfer ids whose request ended early
     mirror_fills: list[MirrorFill] = field(default_factory=list)  # P: prefills a vLLM decoder will read
@@ -128,6 +129,8 @@ class PdConnectorScheduler(KVConnectorScheduler):
             self._leaders[_transfer_key(parsed)] = request
         self._parsed[request.request_id] = parsed
         self._hashes[request.request_id] = _prompt_hash(request)
+        if isinstance(parsed, RemoteDecode) and parsed.push and parsed.transfer_id is not None:
+            self._pending.push_queued.append(parsed.transfer_id)
         if isinstance(parsed, RemotePrefill) and parsed.mode == "pull":  # vLLM's lease outlasts a prompt's load
             self._pending.watch.append(WatchSpec(parsed.host, parsed.port, parsed.remote_key))
 
@@ -365,7 +368,7 @@ class PdConnectorWorker(KVConnectorWorker):
         assert isinstance(metadata, PdConnectorMetadata)
         self._meta = metadata
         if self.push is not None:
-            self.push.bind(metadata.push_chunks, metadata.push_ended)
+            self.push.bind(metadata.push_chunks, metadata.push_ended, metadata.push_queued)
 
     def clear_connector_metadata(self) -> None:
         self._meta = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pdserve.ids import ReqId, TransferId
@@ -55,6 +56,9 @@ class PushProducer:
         self.num_layers = num_layers
         self.unregistered_timeout_s = unregistered_timeout_s
         self.sources: dict[TransferId, _Source] = {}
+        # Transfers admitted here whose request has not been scheduled yet: a registration for one of them waits
+        # however long P's queue is (D bounds that wait with its own deadline, and releases).
+        self._queued: set[TransferId] = set()
         # Registrations for transfers we do not know yet, with their arrival time.
         self._orphans: dict[TransferId, tuple[PushRegister, float]] = {}
         # Transfers that ended here lately: a registration arriving after its transfer was freed (delayed, or after
@@ -64,7 +68,8 @@ class PushProducer:
         self.expired = 0
 
     # -- per step --------------------------------------------------------------------------------------------
-    def bind(self, chunks: list[PushChunk], ended: list[PushEnded]) -> None:
+    def bind(self, chunks: list[PushChunk], ended: list[PushEnded], queued: Iterable[TransferId] = ()) -> None:
+        self._queued.update(queued)
         for chunk in chunks:
             source = self._source(chunk.request_id, chunk.transfer_id, chunk.prompt_hash)
             source.block_ids = chunk.block_ids
@@ -87,6 +92,7 @@ class PushProducer:
         source = self.sources.get(transfer_id)
         if source is None:
             source = self.sources[transfer_id] = _Source(request_id, transfer_id, prompt_hash)
+            self._queued.discard(transfer_id)
             self.translator.add(transfer_id, request_id)
             orphan = self._orphans.pop(transfer_id, None)
             if orphan is not None:
@@ -243,7 +249,7 @@ class PushProducer:
     def _expire_orphans(self) -> None:
         now = time.monotonic()
         for transfer_id, (registration, arrived) in list(self._orphans.items()):
-            if now - arrived > self.unregistered_timeout_s:
+            if now - arrived > self.unregistered_timeout_s and transfer_id not in self._queued:
                 del self._orphans[transfer_id]
                 self.link.send_write_done(registration, ok=False, error="this instance has no such transfer",
                                            refusal="denied")
