@@ -251,8 +251,10 @@ class ModelRunner:
             row += n
             if s.sample:
                 sample_rows.append((index, row - 1))
-        flat_positions = torch.cat(positions)
-        attn = AttentionMetadata(slot_block=torch.cat(slot_block), slot_offset=flat_positions % bs,
+        # A decode-only step (the steady state) has one part each: taken as is, not copied by a cat.
+        flat_positions = torch.cat(positions) if len(positions) > 1 else positions[0]
+        attn = AttentionMetadata(slot_block=torch.cat(slot_block) if len(slot_block) > 1 else slot_block[0],
+                                 slot_offset=flat_positions % bs,
                                  num_decode_tokens=len(decodes), prefills=prefills)
         if decodes:
             self._decode_tables(attn, [s.block_ids for s in decodes], [s.start_position + 1 for s in decodes])
