@@ -97,9 +97,7 @@ class ProducerIdentity:
 class PdConnectorScheduler(KVConnectorScheduler):
     def __init__(self, block_size: int, load_timeout_s: float = 60.0, load_failure_policy: str = "recompute",
                  mirror: MirrorPlan | None = None) -> None:
-        self.block_size = block_size
-        self.load_timeout_s = load_timeout_s
-        self.load_failure_policy = load_failure_policy
+        self.block_size, self.load_timeout_s, self.load_failure_policy = block_size, load_timeout_s, load_failure_policy
         self.identity: ProducerIdentity | None = None
         self.mirror = mirror  # a vLLM decoder's view of this producer's KV, when vLLM's side channel is on
         self.vllm_identity: ProducerIdentity | None = None  # that side channel
