@@ -128,7 +128,7 @@ def _vllm_fork_server(request: pytest.FixtureRequest) -> Iterator[None]:
     is installed and a collected test starts vLLM: until it is ready (its imports take ~13 CPU-seconds), and for
     any instance it refuses, `start_vllm` spawns `vllm serve` as ever."""
     if (request.config.getoption("--no-fork-server") or not vllm_live.installed()
-            or not any(_uses_vllm(item) for item in request.session.items)):
+            or not any(map(_uses_vllm, {getattr(item, "module", None) for item in request.session.items}))):
         yield
         return
     folder = Path(tempfile.mkdtemp(prefix="pdserve-vllm-forks-"))
@@ -152,9 +152,8 @@ def _vllm_fork_server(request: pytest.FixtureRequest) -> Iterator[None]:
     shutil.rmtree(folder, ignore_errors=True)
 
 
-def _uses_vllm(item: pytest.Item) -> bool:
-    """Whether the item's module took anything from vllm_live (so it may start live vLLM instances)."""
-    module = getattr(item, "module", None)
+def _uses_vllm(module: Any) -> bool:
+    """Whether a test module took anything from vllm_live (so it may start live vLLM instances)."""
     return module is not None and any(getattr(value, "__module__", None) == "vllm_live" or value is vllm_live
                                       for value in vars(module).values())
 

@@ -39,6 +39,11 @@ def same_device(a: torch.device, b: torch.device) -> bool:
     return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
 
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The parts end to end; a decode-only step (the steady state) has one, taken as is rather than copied."""
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
 class ModelRunner:
     def __init__(self, spec: ModelSpec, block_size: int, seed: int = 0, device: str = "cpu",
                  connector: KVConnectorWorker | None = None, attention_backend: str | None = None) -> None:
@@ -251,10 +256,8 @@ class ModelRunner:
             row += n
             if s.sample:
                 sample_rows.append((index, row - 1))
-        # A decode-only step (the steady state) has one part each: taken as is, not copied by a cat.
-        flat_positions = torch.cat(positions) if len(positions) > 1 else positions[0]
-        attn = AttentionMetadata(slot_block=torch.cat(slot_block) if len(slot_block) > 1 else slot_block[0],
-                                 slot_offset=flat_positions % bs,
+        flat_positions = _joined(positions)
+        attn = AttentionMetadata(slot_block=_joined(slot_block), slot_offset=flat_positions % bs,
                                  num_decode_tokens=len(decodes), prefills=prefills)
         if decodes:
             self._decode_tables(attn, [s.block_ids for s in decodes], [s.start_position + 1 for s in decodes])
