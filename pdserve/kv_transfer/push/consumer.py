@@ -238,7 +238,10 @@ async def _process_gone(host: str, port: int) -> bool:
     """Whether the producer's side channel refuses connections: its process is gone (a live one, however slow or
     cut off, accepts or does not answer at all)."""
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 1.0)
+        # asyncio.timeout, not wait_for: wait_for wraps the connect in a task, which a loop stopping at shutdown
+        # leaves never awaited (a warning at every shutdown that caught one in flight).
+        async with asyncio.timeout(1.0):
+            _, writer = await asyncio.open_connection(host, port)
     except ConnectionRefusedError:
         return True
     except (OSError, asyncio.TimeoutError):
