@@ -43,21 +43,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness as H  # noqa: E402
 from proc_cpu import box_busy_s, sched_seconds  # noqa: E402
+from ttft import make_model  # noqa: E402
 
 ADMIN = "bench-migration-admin"
 AUTH = {"Authorization": f"Bearer {ADMIN}"}
 MODES = ("live", "stop-copy", "recompute")
 PARTS = ("stops", "drain", "bystanders")
-
-
-def make_model(work: Path, preset: str, max_pos: int) -> Path:
-    from pdserve.modelgen import make_text_model
-
-    model = Path(make_text_model("llama", work / preset, preset=preset))
-    cfg = json.loads((model / "config.json").read_text())
-    cfg["max_position_embeddings"] = max_pos
-    (model / "config.json").write_text(json.dumps(cfg, indent=2))
-    return model
 
 
 class Streamer(threading.Thread):
@@ -348,7 +339,7 @@ def main() -> None:
     meter = H.CpuMeter()
     servers = H.Servers(cleanup, meter)
     try:
-        model = make_model(cleanup.work_dir("migration"), args.model_preset, args.max_model_len)
+        model = make_model(cleanup.work_dir("migration"), args.max_model_len, args.model_preset)
         hardware = H.probe_hardware(1, copy_bytes=H.GiB // 4, rounds=1)
         print(f"{hardware.describe()}\nmodel {args.model_preset}, plane {args.plane}, load {H.loadavg()}", flush=True)
         result = run(args, servers, model, meter)

@@ -6,7 +6,8 @@ publishing KV events; in front of them, one router at a time: the pdserve gatewa
 vllm-router's `cache_aware` (its approximate tree of the request text). Topologies: 4 colocated instances, and 2P2D
 pull (P candidates scored; vllm-router in its PD mode with cache_aware for prefill, round_robin for decode).
 
-Workloads (streamed chat requests, a closed loop of `--concurrency` clients, max_tokens 8):
+Workloads (streamed chat requests, a closed loop of `--concurrency` clients or an open loop at `--rate`,
+max_tokens 8):
 
 * shared: G groups sharing a long system prompt, many users asking short questions (llm-d's B2B shape, scaled down);
 * multiturn: conversations whose every turn extends the last (the Mooncake conversation trace's shape): a turn is
@@ -16,11 +17,11 @@ Workloads (streamed chat requests, a closed loop of `--concurrency` clients, max
 Every (policy, round, workload) gets its own prompt text (a short salt in the first block), so no run finds
 another's blocks.
 Measured through public seams: the client's clock (TTFT to the first streamed token, wall time), the instances'
-`vllm:prefix_cache_hits` deltas (hit tokens), the router's process CPU (/proc). The bound for hit tokens is computed
-offline from the same token ids: a router that knew every cache exactly, picking for each request the instance
-with the longest cached prefix (ties to the least used), each cache an LRU of its blocks (prompt and output),
-requests one after another in the order they were sent (`routing_reference.py`). It is greedy, not an optimum:
-hash-sticky `prefix_aware` can exceed it.
+`vllm:prefix_cache_hits` deltas (hit tokens), the router's process CPU (/proc, schedstat). The bound for hit
+tokens is computed offline from the same token ids: a router that knew every cache exactly, picking for each
+request the instance with the longest cached prefix (ties to the least used), each cache an LRU of its blocks
+(prompt and output), requests one after another in the order they were sent (`routing_reference.py`). It is
+greedy, not an optimum: hash-sticky `prefix_aware` can exceed it.
 
     .venv/bin/python bench/routing.py --quick                                   # smoke run (~3 min)
     .venv/bin/python bench/routing.py --rounds 2 --json bench/out/routing.json   # the table in docs/benchmarks.md
@@ -49,7 +50,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCH), str(BENCH.parent / "tests")]
 import gateway as G  # noqa: E402
 import harness as H  # noqa: E402
-from proc_cpu import thread_seconds  # noqa: E402
+from proc_cpu import sched_seconds, thread_seconds  # noqa: E402
 from routing_reference import BS, explain_picks, offline_bound  # noqa: E402
 from peers import wait_healthy  # noqa: E402
 
@@ -137,45 +138,73 @@ def stream(http: Any, url: str, body: dict) -> tuple[float, int]:
     return first, cached
 
 
-def run(url: str, convs: list[list[list[dict]]], salt: str, concurrency: int) -> dict[str, Any]:
-    """Send every turn (a conversation's turns in order) with `concurrency` clients: TTFTs, the prompt tokens each
-    request found cached (the instances' own count, -1 where not said), wall time, and the order sent."""
-    pending = [(c, 0) for c in order(convs)]
+def run(url: str, convs: list[list[list[dict]]], salt: str, concurrency: int, rate: float = 0.0,
+        seed: int = 5) -> dict[str, Any]:
+    """Send every turn (a conversation's turns in order): TTFTs, the prompt tokens each request found cached (the
+    instances' own count, -1 where not said), wall time, and the order sent.
+
+    `rate` 0: a closed loop of `concurrency` clients. `rate` > 0: an open loop, as llm-d and Dynamo measure: the
+    conversations arrive as a Poisson process whose first turns come at `rate` times the share of first turns
+    among all turns (so about `rate` requests a second reach the router while it keeps up), however many are still
+    waiting for an answer; a conversation's next turn goes out when its previous one is answered."""
     lock = threading.Condition()
-    in_flight = [0]
     ttfts: list[float] = []
     cached: list[int] = []
     sent_order: list[tuple[int, int]] = []
     errors: list[str] = []
 
-    def client() -> None:
-        http = H.http_client(600)
-        while True:
+    def send(http: Any, c: int, t: int) -> None:
+        with lock:
+            sent_order.append((c, t))
+        body = {"model": "m", "messages": salted(convs[c][t], salt), "max_tokens": MAX_TOKENS, "temperature": 0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        sent = time.monotonic()
+        try:
+            first, hit = stream(http, url + "/v1/chat/completions", body)
             with lock:
-                while not pending and in_flight[0]:
-                    lock.wait()
-                if not pending:
-                    return
-                c, t = pending.pop(0)
-                sent_order.append((c, t))
-                in_flight[0] += 1
-            body = {"model": "m", "messages": salted(convs[c][t], salt), "max_tokens": MAX_TOKENS, "temperature": 0,
-                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-            sent = time.monotonic()
-            try:
-                first, hit = stream(http, url + "/v1/chat/completions", body)
                 ttfts.append(first - sent)
                 cached.append(hit)
-            except Exception as exc:  # noqa: BLE001 - counted and shown
-                errors.append(str(exc)[:200])
+        except Exception as exc:  # noqa: BLE001 - counted and shown
             with lock:
-                in_flight[0] -= 1
-                if t + 1 < len(convs[c]):
-                    pending.append((c, t + 1))
-                lock.notify_all()
+                errors.append(str(exc)[:200])
 
     start = time.monotonic()
-    threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    if rate > 0:
+        gen, at, arrivals = random.Random(seed), 0.0, {}
+        conv_rate = rate * len(convs) / max(sum(map(len, convs)), 1)
+        for c in order(convs):
+            at += gen.expovariate(conv_rate)
+            arrivals[c] = at
+
+        def conversation(c: int) -> None:
+            time.sleep(max(0.0, start + arrivals[c] - time.monotonic()))
+            http = H.http_client(600)
+            for t in range(len(convs[c])):
+                send(http, c, t)
+
+        threads = [threading.Thread(target=conversation, args=(c,)) for c in arrivals]
+    else:
+        pending = [(c, 0) for c in order(convs)]
+        in_flight = [0]
+
+        def client() -> None:
+            http = H.http_client(600)
+            while True:
+                with lock:
+                    while not pending and in_flight[0]:
+                        lock.wait()
+                    if not pending:
+                        return
+                    c, t = pending.pop(0)
+                    in_flight[0] += 1
+                send(http, c, t)
+                with lock:
+                    in_flight[0] -= 1
+                    if t + 1 < len(convs[c]):
+                        pending.append((c, t + 1))
+                    lock.notify_all()
+
+        threads = [threading.Thread(target=client) for _ in range(concurrency)]
     for th in threads:
         th.start()
     for th in threads:
@@ -265,8 +294,9 @@ def start_instances(topology: str, model: Path, args: argparse.Namespace, server
     for name, role in roles.items():
         extra = ["--kv-transfer-config", H.kv_config(role)] if role else []
         insts[name] = servers.instance(name, model, "--max-model-len", str(min(MAX_MODEL_LEN, args.blocks * BS)),
-                                       "--num-kv-blocks", str(args.blocks), "--threads", "1", "--kv-events-config",
-                                       events, "--served-model-name", "m", "--disable-log-requests", *extra)
+                                       "--num-kv-blocks", str(args.blocks), "--threads", "1", "--dtype", args.dtype,
+                                       "--kv-events-config", events, "--served-model-name", "m",
+                                       "--disable-log-requests", *extra)
     return insts
 
 
@@ -322,12 +352,14 @@ def measure(args: argparse.Namespace, topology: str, model: Path, tokenizer: Any
 def measure_one(url: str, pid: int, holders: list[str], client: Any, convs: list, args: argparse.Namespace,
                 salt: str) -> dict[str, Any]:
     """One workload through one router: the run, the holders' prefix-cache hits and the router's CPU."""
-    before, cpu0, threads0 = hit_tokens(client, holders), H.cpu_seconds(pid), thread_cpu(pid)
-    out = run(url, convs, salt, args.concurrency)
+    # schedstat's nanoseconds, not /proc/<pid>/stat's 10 ms ticks (one tick is ~150 µs a request here); a router's
+    # threads live as long as it does, so none that ends between the two readings is lost.
+    before, cpu0, threads0 = hit_tokens(client, holders), sched_seconds(pid), thread_cpu(pid)
+    out = run(url, convs, salt, args.concurrency, args.rate)
     time.sleep(0.3)  # the last answers' blocks reach the metrics
     out["hits"] = hit_tokens(client, holders) - before
     answered = max(len(out["ttfts"]), 1)
-    out["cpu_us_per_req"] = (H.cpu_seconds(pid) - cpu0) / answered * 1e6
+    out["cpu_us_per_req"] = (sched_seconds(pid) - cpu0) / answered * 1e6
     out["threads_us_per_req"] = {name: round((cpu - threads0.get(name, 0.0)) / answered * 1e6)
                                  for name, cpu in thread_cpu(pid).items() if cpu > threads0.get(name, 0.0)}
     return out
@@ -407,7 +439,13 @@ def main() -> int:
     p.add_argument("--policies", default=",".join(POLICIES),
                    help="any of " + ", ".join(POLICIES) + "; kv_aware@W runs kv_aware with --kv-overlap-weight W")
     p.add_argument("--blocks", type=int, default=96, help="KV blocks (of 16 tokens) per instance")
-    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--concurrency", type=int, default=4, help="clients of the closed loop")
+    p.add_argument("--rate", type=float, default=0.0, help="requests a second of an open loop (Poisson arrivals) "
+                   "instead of the closed loop; at a rate near round_robin's capacity its queue grows and a "
+                   "router that saves prefill keeps up (llm-d's and Dynamo's way of measuring)")
+    p.add_argument("--model-preset", default="h256", choices=["h256", "llama120m"],
+                   help="llama120m (12 layers, hidden 768) makes a prompt's prefill most of its TTFT on a CPU box")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the instances' dtype")
     for name, value in vars(Shape()).items():
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
     p.add_argument("--explain", action="store_true", help="kv_aware's gateway logs each pick (debug), and each run "
@@ -425,11 +463,11 @@ def main() -> int:
     from ttft import make_model
 
     cleanup, meter = H.Cleanup(), H.CpuMeter()
-    model = make_model(cleanup.work_dir("routing"), MAX_MODEL_LEN)
+    model = make_model(cleanup.work_dir("routing"), MAX_MODEL_LEN, args.model_preset)
     tokenizer = Tokenizer(model)
     machine = {"cpu": H._cpu_info()[0], "cores": __import__("os").cpu_count(), "date": time.strftime("%Y-%m-%d")}
-    print(f"{machine}; {args.blocks} blocks of {BS} per instance, concurrency {args.concurrency}, {args.shape}",
-          flush=True)
+    print(f"{machine}; {args.blocks} blocks of {BS} per instance, concurrency {args.concurrency}, rate {args.rate}, "
+          f"{args.shape}", flush=True)
     report: dict[str, Any] = {"machine": machine, "args": {k: v for k, v in vars(args).items() if k != "shape"}}
     for topology in args.topologies.split(","):
         try:

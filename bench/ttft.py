@@ -134,10 +134,10 @@ class Set:
             r.update(H.leg_means(after[gw], before[gw]))
 
 
-def make_model(work: Path, max_pos: int) -> Path:
+def make_model(work: Path, max_pos: int, preset: str = "h256") -> Path:
     from pdserve.modelgen import make_text_model
 
-    model = Path(make_text_model("llama", work / "h256", preset="h256"))
+    model = Path(make_text_model("llama", work / preset, preset=preset))
     cfg = json.loads((model / "config.json").read_text())
     cfg["max_position_embeddings"] = max_pos
     (model / "config.json").write_text(json.dumps(cfg, indent=2))

@@ -18,6 +18,7 @@ from array import array
 from pathlib import Path
 from typing import Any
 
+from pdserve.kv_events.fast_bpe import fast_encoder
 from pdserve.kv_events.index import content_keys
 from pdserve.kv_events.pieces import PieceEncoder
 
@@ -70,7 +71,8 @@ class PromptTokenizer:
             self.tokenizer = Tokenizer.from_file(str(path))
             template, self.special = None, {}
         self.template = _compile(template) if isinstance(template, str) else None
-        self.pieces = PieceEncoder(self.tokenizer)
+        self.fast = fast_encoder(self.tokenizer)  # tiktoken, where it encodes as the tokenizer does
+        self.pieces = PieceEncoder(self.tokenizer, ordinary=self.fast)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
