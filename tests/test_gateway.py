@@ -517,3 +517,20 @@ def test_load_is_scraped_only_where_it_decides_something(recorded):
         assert scrapes("D") == seen + 1  # only this read since: D's load is never polled
     finally:
         g.stop()
+
+
+def test_load_is_not_scraped_for_a_policy_that_does_not_read_it(recorded):
+    """round_robin never reads load: beyond learning what each instance is, nothing polls their /metrics."""
+    start_fake, _ = recorded
+    fakes = {name: start_fake(name) for name in ("P1", "P2", "D")}
+    g = gateway("--prefill", fakes["P1"].url, fakes["P2"].url, "--decode", fakes["D"].url, "--policy", "round_robin")
+    try:
+        def scrapes() -> dict[str, float]:
+            return {name: metric_values(fake.url)["fake:metrics_scrapes_total"] for name, fake in fakes.items()}
+
+        wait_for(lambda: httpx.get(g.url + "/health", timeout=5).status_code == 200, what="the gateway ready")
+        seen = scrapes()
+        time.sleep(1.5)  # least_loaded would have polled each P 7 times by now (every 0.2 s)
+        assert scrapes() == {name: count + 1 for name, count in seen.items()}  # only the reads just above
+    finally:
+        g.stop()

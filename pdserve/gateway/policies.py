@@ -17,6 +17,7 @@ class Policy(ABC):
     name = ""
     wants_prompt = False  # whether `pick` takes the prompt's token ids too (kv_aware)
     wants_affinity = False  # whether `pick` reads `affinity` (a prompt prefix, encoded per pick: not for nothing)
+    reads_load = False  # whether `pick` reads the instances' scraped load (else nothing polls their /metrics for it)
 
     @abstractmethod
     def pick(self, candidates: list[Instance], affinity: bytes = b"") -> Instance:
@@ -38,6 +39,7 @@ class LeastLoaded(Policy):
     """Fewest requests: the instance's own gauges (scraped) or our in-flight count, whichever is fresher."""
 
     name = "least_loaded"
+    reads_load = True
 
     def __init__(self) -> None:
         self._tiebreak = itertools.count()
@@ -57,6 +59,7 @@ class PrefixAware(Policy):
 
     name = "prefix_aware"
     wants_affinity = True
+    reads_load = True
 
     def __init__(self, balance_threshold: float = 4.0) -> None:
         self.balance_threshold = balance_threshold

@@ -128,6 +128,7 @@ class Gateway:
         self.splicer = Splicer(self)
         self.rebalancer = Rebalancer(self, config.rebalance_margin, config.rebalance_queue_margin,
                                      config.rebalance_max_mib_per_s) if config.rebalance else None
+        self.registry.scrape_load = self.rebalancer is not None or any(p.reads_load for p in self.policies.values())
 
     def _kv_routing(self, config: GatewayConfig) -> KVRouting | None:
         if config.policy != KvAware.name:
