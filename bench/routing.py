@@ -50,7 +50,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCH), str(BENCH.parent / "tests")]
 import gateway as G  # noqa: E402
 import harness as H  # noqa: E402
-from proc_cpu import sched_seconds, thread_seconds  # noqa: E402
+from proc_cpu import thread_seconds  # noqa: E402
 from routing_reference import BS, explain_picks, offline_bound  # noqa: E402
 from peers import wait_healthy  # noqa: E402
 
@@ -354,14 +354,15 @@ def measure_one(url: str, pid: int, holders: list[str], client: Any, convs: list
     """One workload through one router: the run, the holders' prefix-cache hits and the router's CPU."""
     # schedstat's nanoseconds, not /proc/<pid>/stat's 10 ms ticks (one tick is ~150 µs a request here); a router's
     # threads live as long as it does, so none that ends between the two readings is lost.
-    before, cpu0, threads0 = hit_tokens(client, holders), sched_seconds(pid), thread_cpu(pid)
+    before, threads0 = hit_tokens(client, holders), thread_cpu(pid)
     out = run(url, convs, salt, args.concurrency, args.rate)
     time.sleep(0.3)  # the last answers' blocks reach the metrics
     out["hits"] = hit_tokens(client, holders) - before
     answered = max(len(out["ttfts"]), 1)
-    out["cpu_us_per_req"] = (sched_seconds(pid) - cpu0) / answered * 1e6
+    threads = thread_cpu(pid)
+    out["cpu_us_per_req"] = (sum(threads.values()) - sum(threads0.values())) / answered * 1e6
     out["threads_us_per_req"] = {name: round((cpu - threads0.get(name, 0.0)) / answered * 1e6)
-                                 for name, cpu in thread_cpu(pid).items() if cpu > threads0.get(name, 0.0)}
+                                 for name, cpu in threads.items() if cpu > threads0.get(name, 0.0)}
     return out
 
 

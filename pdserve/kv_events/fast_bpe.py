@@ -23,13 +23,17 @@ from collections.abc import Callable
 from importlib.resources import files
 from typing import Any
 
+from pdserve.kv_events.pieces import SAMPLES
+
 logger = logging.getLogger(__name__)
 
 # The fast tokenizer's ByteLevel pre-tokenizer with use_regex: GPT-2's split.
 _GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-_SAMPLES = ("Hello there!\n How are you?  ", " leading space", "tabs\tand\n\nnew lines ", "x", "", "   ",
-            "It's 3.14159 o'clock; we'll see—won't we?", "Ünïcödé: naïve café, 東京, Привет, 😀👍🏽 e\u0301",
-            "snake_case + CamelCase = 12345678901234567890", "  \n\n\t  multiple   spaces\r\n", "'S 'LL 'Ve")
+# The pieces' self-test texts, and what a byte-level split treats apart: digits, contractions, scripts, emoji,
+# combining marks, runs of whitespace.
+_SAMPLES = (*SAMPLES, "", "   ", "It's 3.14159 o'clock; we'll see—won't we?",
+            "Ünïcödé: naïve café, 東京, Привет, 😀👍🏽 e\u0301", "snake_case + CamelCase = 12345678901234567890",
+            "  \n\n\t  multiple   spaces\r\n", "'S 'LL 'Ve")
 
 
 def fast_encoder(tokenizer: Any) -> Callable[[str], list[int]] | None:

@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-_SAMPLES = ("Hello there!\n How are you?  ", " leading space", "tabs\tand\n\nnew lines ", "x")
+SAMPLES = ("Hello there!\n How are you?  ", " leading space", "tabs\tand\n\nnew lines ", "x")
 
 
 class PieceEncoder:
@@ -61,8 +61,8 @@ class PieceEncoder:
     def _self_test(self) -> bool:
         self.enabled = True
         specials = list(self._ids)
-        for a in _SAMPLES:
-            for b in _SAMPLES:
+        for a in SAMPLES:
+            for b in SAMPLES:
                 for special in specials[:3]:
                     text = a + special + b + special
                     if self.encode(text) != self.tokenizer.encode(text, add_special_tokens=False).ids:
