@@ -65,8 +65,10 @@ PRELOAD = ("numpy", "torch", "transformers", "transformers.models.auto.tokenizat
 VLLM_PRELOAD = ("torch", "transformers", "vllm.entrypoints.cli.main", "vllm.entrypoints.openai.api_server",
                 "vllm.v1.engine.core", "vllm.v1.engine.async_llm", "vllm.v1.worker.cpu_model_runner",
                 "vllm.model_executor.models.llama")
-# vllm.envs reads its variables when they are used; the side channel is the one that differs between instances.
-VLLM_RUN_TIME_VARS = frozenset({"PYTEST_CURRENT_TEST", "VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT"})
+# vllm.envs reads its variables when they are used; the side channel and the folder of the IPC sockets are the ones
+# that differ between instances.
+VLLM_RUN_TIME_VARS = frozenset({"PYTEST_CURRENT_TEST", "VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT",
+                                "VLLM_RPC_BASE_PATH"})
 
 
 class Profile(NamedTuple):

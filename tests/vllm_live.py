@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -104,6 +105,9 @@ class VllmInstance(Process):
 
     side_channel_port: int | None = None
     idle_nixl_spin: bool = False  # once healthy, its NIXL progress thread runs only on otherwise idle cores
+    # vLLM names its ZMQ IPC sockets by uuid in VLLM_RPC_BASE_PATH and leaves them behind when it is killed (about
+    # three an instance): each instance gets a folder of its own, removed with it
+    rpc_dir: Path | None = None
 
     def crash(self) -> None:
         """SIGKILL every process of the instance at once (the engine core too, where KV and connector live)."""
@@ -113,8 +117,13 @@ class VllmInstance(Process):
             except ProcessLookupError:
                 pass
         self.popen.wait(10)
+        self._cleanup()
+
+    def _cleanup(self) -> None:
         if self.idle_nixl_spin:
             remove_idle_cgroup(self.spin_group)
+        if self.rpc_dir is not None:
+            shutil.rmtree(self.rpc_dir, ignore_errors=True)
 
     def stop(self, timeout: float = 20.0) -> None:
         super().stop(timeout)
@@ -126,8 +135,7 @@ class VllmInstance(Process):
                 except ProcessLookupError:
                     pass
             time.sleep(0.1)
-        if self.idle_nixl_spin:
-            remove_idle_cgroup(self.spin_group)
+        self._cleanup()
 
     @property
     def spin_group(self) -> str:
@@ -198,6 +206,8 @@ def start_vllm(model: Path | str, *, role: str | None = None, name: str = "vllm"
             env = {"PYTHONPATH": pdserve_path(), **(env or {})}
     fd, log_name = tempfile.mkstemp(prefix=f"vllm-{name}-", suffix=".log")
     os.close(fd)
+    rpc_dir = Path(tempfile.mkdtemp(prefix=f"vllm-{name}-rpc-"))
+    env = {**(env or {}), "VLLM_RPC_BASE_PATH": str(rpc_dir)}
     with open(log_name, "wb") as log:
         popen = _forked(venv, argv, side_channel, env, log.fileno())
         if popen is None:
@@ -205,7 +215,7 @@ def start_vllm(model: Path | str, *, role: str | None = None, name: str = "vllm"
                                      env=vllm_env(side_channel, env), start_new_session=True)
     nixl = bool(role) or (kv_transfer_config or {}).get("kv_connector") == "NixlConnector"
     instance = VllmInstance(name, popen, {"port": port}, Path(log_name), side_channel_port=side_channel,
-                            idle_nixl_spin=nixl and quiet_nixl)
+                            idle_nixl_spin=nixl and quiet_nixl, rpc_dir=rpc_dir)
     if wait:
         ready(instance, timeout)
     return instance
