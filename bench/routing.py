@@ -27,6 +27,7 @@ greedy, not an optimum: hash-sticky `prefix_aware` can exceed it.
     .venv/bin/python bench/routing.py --rounds 2 --json bench/out/routing.json   # the table in docs/benchmarks.md
     .venv/bin/python bench/routing.py --policies prefix_aware,kv_aware@1,kv_aware@4   # kv_aware@W: --kv-overlap-weight W
     .venv/bin/python bench/routing.py --base DIR --policies round_robin,kv_aware,base:round_robin,base:kv_aware
+    .venv/bin/python bench/routing.py --topologies pull --conditional   # D alone where it holds the prompt
 
 Targets (shared and multiturn): kv_aware p90 TTFT <= 0.5x round_robin and <= 0.8x vllm-router cache_aware,
 throughput >= 1.2x round_robin; unique: kv_aware throughput >= 0.95x least_loaded; hit tokens >= 90 % of the
@@ -38,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import subprocess
 import sys
 import threading
 import time
@@ -48,17 +48,15 @@ from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCH), str(BENCH.parent / "tests")]
-import gateway as G  # noqa: E402
 import harness as H  # noqa: E402
 from proc_cpu import thread_seconds  # noqa: E402
+from routing_fleet import MAX_MODEL_LEN, start_instances, start_router  # noqa: E402
 from routing_reference import BS, explain_picks, offline_bound  # noqa: E402
-from peers import wait_healthy  # noqa: E402
 
 PDSERVE_POLICIES = ("round_robin", "least_loaded", "prefix_aware", "kv_aware")
 POLICIES = (*PDSERVE_POLICIES, "vllm-router:cache_aware")
 WORKLOADS = ("shared", "multiturn", "unique")
 MAX_TOKENS = 8
-MAX_MODEL_LEN = 8192
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa quebec "
          "romeo sierra tango uniform victor whiskey xray yankee zulu amber basalt cedar dune ember fjord granite "
          "harbor island jasper kelp lagoon meadow nectar orchid prairie quartz reef summit tundra valley willow").split()
@@ -230,84 +228,17 @@ def hit_tokens(client: Any, urls: list[str]) -> float:
     return sum(H.scrape(client, u).get("vllm:prefix_cache_hits_total", 0.0) for u in urls)
 
 
-# ----------------------------------------------------------------------------- routers
-def start_router(policy: str, topology: str, insts: dict[str, Any], model: Path, servers: H.Servers,
-                 cleanup: H.Cleanup, explain: bool = False, base: str | None = None
-                 ) -> tuple[str, int, Any, Path | None]:
-    """(url, pid whose process tree is the router, a stopper, the log kv_aware explains its picks in). A policy
-    named `base:POLICY` runs POLICY in the gateway of the checkout `base`."""
-    colocated = topology == "colocated"
-    root = None
-    if policy.startswith("base:"):
-        if not base:
-            raise ValueError(f"{policy} wants --base DIR")
-        root, policy = base, policy.removeprefix("base:")
-    policy, _, weight = policy.partition("@")
-    if policy.startswith("vllm-router"):
-        port = H.free_port()
-        members = (["--worker-urls", *[i.url for i in insts.values()], "--policy", "cache_aware"] if colocated else
-                   ["--vllm-pd-disaggregation", "--prefill", insts["P1"].url, "--prefill", insts["P2"].url,
-                    "--decode", insts["D1"].url, "--decode", insts["D2"].url, "--prefill-policy", "cache_aware",
-                    "--decode-policy", "round_robin"])
-        proc = subprocess.Popen([G.peer_exe("vllm-router"), "--host", "127.0.0.1", "--port", str(port), *members,
-                                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(H.free_port()),
-                                 "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)
-        url = f"http://127.0.0.1:{port}"
-        cleanup.add(lambda: G.Proc("vllm-router", proc, url, Path("/tmp")).stop())
-        wait_healthy(url, proc, 90)
-        return url, proc.pid, lambda: G.Proc("vllm-router", proc, url, Path("/tmp")).stop(), None
-    members = (["--protocol", "colocated", "--both", *[i.url for i in insts.values()]] if colocated else
-               ["--protocol", "pull", "--prefill", insts["P1"].url, insts["P2"].url, "--decode", insts["D1"].url,
-                insts["D2"].url])
-    explained = explain and policy == "kv_aware"
-    tuned = ["--kv-overlap-weight", weight] if weight else []
-    # `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH: a base gateway runs in its own
-    # checkout (`env` execs it, so its PID is still the one measured).
-    wrap = ["env", f"--chdir={root}", f"PYTHONPATH={root}"] if root else None
-    gw = servers.gateway(f"gw-{'base-' if root else ''}{policy}{weight}", *members, "--policy", policy, "--tokenizer",
-                         str(model), *tuned, "--disable-log-requests", log_level="debug" if explained else "warning",
-                         wrap=wrap)
-    if policy == "kv_aware":
-        wait_live(gw.url, len(insts))
-    return gw.url, gw.pid, gw.stop, gw.log_path if explained else None
-
-
-def wait_live(url: str, count: int, timeout: float = 60) -> None:
-    """A kv_aware gateway is measured once every instance's subscription is live."""
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if httpx.get(url + "/metrics", timeout=5).text.count('state="live"} 1.0') >= count:
-            return
-        time.sleep(0.2)
-    raise RuntimeError("the kv_aware gateway's subscriptions did not come up")
-
-
 # ----------------------------------------------------------------------------- the whole run
-def start_instances(topology: str, model: Path, args: argparse.Namespace, servers: H.Servers) -> dict[str, Any]:
-    events = json.dumps({"enable_kv_cache_events": True, "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"})
-    roles = {"colocated": {f"C{n}": None for n in range(1, 5)},
-             "pull": {"P1": "kv_producer", "P2": "kv_producer", "D1": "kv_consumer", "D2": "kv_consumer"}}[topology]
-    insts = {}
-    for name, role in roles.items():
-        extra = ["--kv-transfer-config", H.kv_config(role)] if role else []
-        insts[name] = servers.instance(name, model, "--max-model-len", str(min(MAX_MODEL_LEN, args.blocks * BS)),
-                                       "--num-kv-blocks", str(args.blocks), "--threads", "1", "--dtype", args.dtype,
-                                       "--kv-events-config", events, "--served-model-name", "m",
-                                       "--disable-log-requests", *extra)
-    return insts
-
-
 def measure(args: argparse.Namespace, topology: str, model: Path, tokenizer: Any, cleanup: H.Cleanup,
             meter: H.CpuMeter) -> dict[str, Any]:
     servers = H.Servers(cleanup, meter)
     insts = start_instances(topology, model, args, servers)
     # What computes prompts (and so holds their blocks): every instance colocated, the prefill ones in pull (which
-    # add one output token to their cache, not the answer).
-    holders = [i.url for n, i in insts.items() if not n.startswith("D")]
-    output_tokens = MAX_TOKENS if topology == "colocated" else 1
+    # add one output token to their cache, not the answer); in pull with --conditional D too, which computes what
+    # it serves alone, and the bound is then a router's that knew all four caches, each serving any request.
+    every = topology == "colocated" or args.conditional
+    holders = [i.url for n, i in insts.items() if every or not n.startswith("D")]
+    output_tokens = MAX_TOKENS if every else 1
     client = H.http_client(60)
     workloads = [w for w in args.workloads.split(",") if topology == "colocated" or w != "unique"]
     results: dict[str, Any] = {}
@@ -323,7 +254,7 @@ def measure(args: argparse.Namespace, topology: str, model: Path, tokenizer: Any
     for rnd, policies in H.rotations(listed, args.rounds):
         for policy in policies:
             url, pid, stop, log_path = start_router(policy, topology, insts, model, servers, cleanup, args.explain,
-                                                      args.base)
+                                                      args.base, args.conditional)
             for w in workloads:
                 logged = log_path.stat().st_size if log_path else 0
                 out = measure_one(url, pid, holders, client, build(w, args.shape), args,
@@ -444,6 +375,8 @@ def main() -> int:
     p.add_argument("--rate", type=float, default=0.0, help="requests a second of an open loop (Poisson arrivals) "
                    "instead of the closed loop; at a rate near round_robin's capacity its queue grows and a "
                    "router that saves prefill keeps up (llm-d's and Dynamo's way of measuring)")
+    p.add_argument("--conditional", action="store_true", help="pull: pdserve's gateways run --conditional (D alone "
+                   "where it holds most of the prompt); hit tokens are then counted on all four instances")
     p.add_argument("--model-preset", default="h256", choices=["h256", "llama120m"],
                    help="llama120m (12 layers, hidden 768) makes a prompt's prefill most of its TTFT on a CPU box")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the instances' dtype")

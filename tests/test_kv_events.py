@@ -10,7 +10,8 @@ import pytest
 
 from pdserve.kv_events.config import PublisherAddress, parse_address, parse_config
 from pdserve.kv_events.index import PrefixIndex, content_keys
-from pdserve.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, EventDecodeError, decode_batch
+from pdserve.kv_events.wire import (AllBlocksCleared, BlockRemoved, BlockStored, EventDecodeError, KVEventBatch,
+                                   decode_batch, encode_batch)
 
 BS = 4
 
@@ -64,6 +65,48 @@ def test_config_is_read_as_vllm_reads_it():
     assert parse_address("tcp://h:1,tcp://h:2") == PublisherAddress(endpoint="tcp://h:1", replay_endpoint="tcp://h:2")
     with pytest.raises(ValueError):
         parse_address("http://h:1")
+
+
+class Recorder:
+    """The two calls BlockEvents makes of its publisher; each step's batch as a subscriber decodes it off the wire."""
+
+    def __init__(self) -> None:
+        self.pending: list = []
+        self.batches: list[list] = []
+
+    def record(self, event) -> None:
+        self.pending.append(event)
+
+    def end_step(self) -> None:
+        batch = KVEventBatch(time.time(), self.pending)
+        self.batches.append(decode_batch(encode_batch(batch)).events)
+        self.pending = []
+
+
+def test_a_steps_consecutive_removals_go_out_as_one_event_in_order():
+    from pdserve.kv_events.block_events import BlockEvents, published_hash
+
+    root, digest = b"\0" * 16, lambda n: n.to_bytes(16, "big")
+    recorder = Recorder()
+    events = BlockEvents(recorder, BS, root)
+    events.stored(root, digest(1), (1, 2, 3, 4))
+    events.stored(digest(1), digest(2), (5, 6, 7, 8))
+    for n in (7, 8, 9):
+        events.removed(digest(n))
+    events.stored(root, digest(3), (9, 9, 9, 9))
+    events.removed(digest(1))
+    events.end_step()
+    events.removed(digest(2))
+    events.end_step()
+    first, second = recorder.batches
+    assert [type(e).__name__ for e in first] == ["BlockStored", "BlockRemoved", "BlockStored", "BlockRemoved"]
+    assert first[1].block_hashes == [published_hash(digest(n)) for n in (7, 8, 9)]
+    assert first[3].block_hashes == [published_hash(digest(1))] and len(second) == 1
+    index = PrefixIndex()  # one event of many hashes removes each, as one event per hash would
+    for batch in (first, second):
+        index.apply("a", batch)
+    assert held(index, [1, 2, 3, 4, 5, 6, 7, 8], BS, "a") == 0 and held(index, [9] * 4, BS, "a") == 1
+    assert index.held_blocks()["a"] == 1
 
 
 # -- the index ----------------------------------------------------------------------------------------------

@@ -3,7 +3,10 @@
 The pool calls `stored` for each block it indexes, `removed` when a block's hash is forgotten (evicted for reuse,
 known bad) and `cleared` on a reset; the engine calls `end_step` after each step, which hands the step's events
 to the publisher as one batch. Consecutive blocks of one prompt indexed in one step become one `BlockStored`, as
-vLLM sends them (one event per request and step, its parent the block before the first).
+vLLM sends them (one event per request and step, its parent the block before the first). Consecutive removals
+become one `BlockRemoved` listing every hash in order, which the wire allows and every subscriber reads: vLLM sends
+one event per evicted block, and a step that makes room for a new prompt evicts a dozen or more, each of which a
+subscriber would otherwise decode and apply on its own.
 
 The store tier announces the blocks a store took, from its writer thread (`KVStoreTier.on_stored`): they go out
 at once as a batch of their own, `BlockStored` with medium "STORAGE", chained by the store's own block hashes.
@@ -43,8 +46,10 @@ class BlockEvents:
         self.block_size = block_size
         self.root_hash = root_hash
         self._open: BlockStored | None = None  # the step's last BlockStored, which a next block may extend
+        self._removing: BlockRemoved | None = None  # the step's last event, when a removal, which a next one extends
 
     def stored(self, parent: bytes, block_hash: bytes, token_ids: tuple[int, ...]) -> None:
+        self._removing = None
         parent_id = None if parent == self.root_hash else published_hash(parent)
         own = published_hash(block_hash)
         if extended(self._open, parent_id, own, token_ids):
@@ -55,14 +60,18 @@ class BlockEvents:
 
     def removed(self, block_hash: bytes) -> None:
         self._open = None  # a later block must not extend an event published before this removal
-        self.publisher.record(BlockRemoved(block_hashes=[published_hash(block_hash)], medium=MEDIUM_DEVICE))
+        if self._removing is not None:
+            self._removing.block_hashes.append(published_hash(block_hash))
+            return
+        self._removing = BlockRemoved(block_hashes=[published_hash(block_hash)], medium=MEDIUM_DEVICE)
+        self.publisher.record(self._removing)
 
     def cleared(self) -> None:
-        self._open = None
+        self._open = self._removing = None
         self.publisher.record(AllBlocksCleared())
 
     def end_step(self) -> None:
-        self._open = None
+        self._open = self._removing = None
         self.publisher.end_step()
 
 
