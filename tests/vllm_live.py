@@ -105,9 +105,10 @@ class VllmInstance(Process):
 
     side_channel_port: int | None = None
     idle_nixl_spin: bool = False  # once healthy, its NIXL progress thread runs only on otherwise idle cores
-    # vLLM names its ZMQ IPC sockets by uuid in VLLM_RPC_BASE_PATH and leaves them behind when it is killed (about
-    # three an instance): each instance gets a folder of its own, removed with it
-    rpc_dir: Path | None = None
+    # vLLM puts its ZMQ IPC sockets and its engine core's gloo file store in the temporary folder under uuid names
+    # and leaves them behind when it is killed (four an instance): each instance gets a TMPDIR of its own, removed
+    # with it
+    tmp_dir: Path | None = None
 
     def crash(self) -> None:
         """SIGKILL every process of the instance at once (the engine core too, where KV and connector live)."""
@@ -122,8 +123,8 @@ class VllmInstance(Process):
     def _cleanup(self) -> None:
         if self.idle_nixl_spin:
             remove_idle_cgroup(self.spin_group)
-        if self.rpc_dir is not None:
-            shutil.rmtree(self.rpc_dir, ignore_errors=True)
+        if self.tmp_dir is not None:
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
 
     def stop(self, timeout: float = 20.0) -> None:
         super().stop(timeout)
@@ -206,8 +207,8 @@ def start_vllm(model: Path | str, *, role: str | None = None, name: str = "vllm"
             env = {"PYTHONPATH": pdserve_path(), **(env or {})}
     fd, log_name = tempfile.mkstemp(prefix=f"vllm-{name}-", suffix=".log")
     os.close(fd)
-    rpc_dir = Path(tempfile.mkdtemp(prefix=f"vllm-{name}-rpc-"))
-    env = {**(env or {}), "VLLM_RPC_BASE_PATH": str(rpc_dir)}
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f"vllm-{name}-tmp-"))
+    env = {**(env or {}), "TMPDIR": str(tmp_dir)}
     with open(log_name, "wb") as log:
         popen = _forked(venv, argv, side_channel, env, log.fileno())
         if popen is None:
@@ -215,7 +216,7 @@ def start_vllm(model: Path | str, *, role: str | None = None, name: str = "vllm"
                                      env=vllm_env(side_channel, env), start_new_session=True)
     nixl = bool(role) or (kv_transfer_config or {}).get("kv_connector") == "NixlConnector"
     instance = VllmInstance(name, popen, {"port": port}, Path(log_name), side_channel_port=side_channel,
-                            idle_nixl_spin=nixl and quiet_nixl, rpc_dir=rpc_dir)
+                            idle_nixl_spin=nixl and quiet_nixl, tmp_dir=tmp_dir)
     if wait:
         ready(instance, timeout)
     return instance

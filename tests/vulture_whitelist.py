@@ -85,3 +85,8 @@ locality
 ownership
 session_id
 data_parallel_rank
+# The vLLM fork server's entry, named in its profile as "module:function" (pdserve/forkserver.py).
+vllm_main
+# The standard library's cached temporary folder, cleared in the vLLM fork server's child so that tempfile looks it
+# up again in the child's environment (pdserve/forkserver_vllm.py).
+_.tempdir
