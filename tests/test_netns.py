@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import uuid
 from collections.abc import Iterator
 
@@ -25,10 +26,10 @@ COMMON = ["--max-model-len", "512", "--num-kv-blocks", "192", "--served-model-na
           "--max-num-batched-tokens", "16"]
 
 
-def long_prompt(start: int) -> list[int]:
-    """30 prefill steps on P (with P's step delay, a window of about three seconds); each test its own, so no
-    prefix-cache hit on P or D shortens it."""
-    return list(range(start, start + 480))
+def long_prompt() -> list[int]:
+    """30 prefill steps on P (with P's step delay, a window of about six seconds: a loaded box can hold a test's
+    thread off for three); each call its own, a rerun's too, so no prefix-cache hit on P or D shortens it."""
+    return random.Random().sample(range(1, 2480), 480)
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +67,7 @@ def fleet(request, network, models) -> Iterator[dict[str, Process]]:
     try:
         # P's steps are slowed (a drill setting) so a test can act while P is partway through a long prefill.
         procs["P"] = start_instance(model, *COMMON, "--kv-transfer-config", kv_config(
-            "kv_producer", plane, p.address, kv_lease_duration=5.0, fault_injection={"step_delay_s": 0.1}),
+            "kv_producer", plane, p.address, kv_lease_duration=5.0, fault_injection={"step_delay_s": 0.2}),
             name="P", host=p.address, wrap=p.wrap())
         procs["D"] = start_instance(model, *COMMON, "--kv-transfer-config", kv_config(
             "kv_consumer", plane, d.address, push_registration_timeout=5.0, kv_load_timeout=5.0),
@@ -180,7 +181,7 @@ def recomputed_or_clear_error(answer: httpx.Response, colocated: Process, prompt
 
 @pytest.mark.parametrize("fleet", ["auto"], indirect=True)
 def test_link_down_mid_push(network, fleet, colocated):
-    prompt = long_prompt(1)
+    prompt = long_prompt()
     answer, before = long_push_in_flight(network, fleet, prompt)
     network["P"].set_link(False)
     try:
@@ -195,7 +196,7 @@ def test_link_down_mid_push(network, fleet, colocated):
 @pytest.mark.parametrize("fleet", ["auto"], indirect=True)
 def test_sigkill_of_p_mid_push(network, fleet, colocated):
     """Last of the fleet's tests: P stays dead."""
-    prompt = long_prompt(2000)
+    prompt = long_prompt()
     answer, before = long_push_in_flight(network, fleet, prompt)
     fleet["P"].kill()
     recomputed_or_clear_error(answer.result(60), colocated, prompt)
