@@ -42,9 +42,10 @@ def start_router(policy: str, topology: str, insts: dict[str, Any], model: Path,
                                  "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 start_new_session=True)
         url = f"http://127.0.0.1:{port}"
-        cleanup.add(lambda: G.Proc("vllm-router", proc, url, Path("/tmp")).stop())
+        stop = G.Proc("vllm-router", proc, url, Path("/tmp")).stop
+        cleanup.add(stop)
         wait_healthy(url, proc, 90)
-        return url, proc.pid, lambda: G.Proc("vllm-router", proc, url, Path("/tmp")).stop(), None
+        return url, proc.pid, stop, None
     members = (["--protocol", "colocated", "--both", *[i.url for i in insts.values()]] if colocated else
                ["--protocol", "pull", "--prefill", insts["P1"].url, insts["P2"].url, "--decode", insts["D1"].url,
                 insts["D2"].url, *(["--conditional"] if conditional else [])])

@@ -45,33 +45,32 @@ class BlockEvents:
         self.publisher = publisher
         self.block_size = block_size
         self.root_hash = root_hash
-        self._open: BlockStored | None = None  # the step's last BlockStored, which a next block may extend
-        self._removing: BlockRemoved | None = None  # the step's last event, when a removal, which a next one extends
+        # The step's last event, which the next one extends when it is of the same kind (a block following a
+        # BlockStored's last, or another removal): a later event never joins one published before something else.
+        self._last: BlockStored | BlockRemoved | None = None
 
     def stored(self, parent: bytes, block_hash: bytes, token_ids: tuple[int, ...]) -> None:
-        self._removing = None
         parent_id = None if parent == self.root_hash else published_hash(parent)
         own = published_hash(block_hash)
-        if extended(self._open, parent_id, own, token_ids):
+        if isinstance(self._last, BlockStored) and extended(self._last, parent_id, own, token_ids):
             return
-        self._open = BlockStored(block_hashes=[own], parent_block_hash=parent_id, token_ids=list(token_ids),
+        self._last = BlockStored(block_hashes=[own], parent_block_hash=parent_id, token_ids=list(token_ids),
                                  block_size=self.block_size, lora_id=None, medium=MEDIUM_DEVICE, lora_name=None)
-        self.publisher.record(self._open)
+        self.publisher.record(self._last)
 
     def removed(self, block_hash: bytes) -> None:
-        self._open = None  # a later block must not extend an event published before this removal
-        if self._removing is not None:
-            self._removing.block_hashes.append(published_hash(block_hash))
+        if isinstance(self._last, BlockRemoved):
+            self._last.block_hashes.append(published_hash(block_hash))
             return
-        self._removing = BlockRemoved(block_hashes=[published_hash(block_hash)], medium=MEDIUM_DEVICE)
-        self.publisher.record(self._removing)
+        self._last = BlockRemoved(block_hashes=[published_hash(block_hash)], medium=MEDIUM_DEVICE)
+        self.publisher.record(self._last)
 
     def cleared(self) -> None:
-        self._open = self._removing = None
+        self._last = None
         self.publisher.record(AllBlocksCleared())
 
     def end_step(self) -> None:
-        self._open = self._removing = None
+        self._last = None
         self.publisher.end_step()
 
 
