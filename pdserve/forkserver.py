@@ -48,8 +48,10 @@ import msgspec
 ENV_VAR = "PDSERVE_FORKSERVER"  # the server's socket path, in the requester's environment
 VERSION = 1
 # Variables a child may have that differ from the server's: read at run time only (pdserve reads its own PDSERVE_*
-# variables only at run time; pytest sets the current test's name in the environment).
-RUN_TIME_VARS = frozenset({"PYTEST_CURRENT_TEST", "VLLM_API_KEY", "KUBECONFIG", "OTEL_BSP_SCHEDULE_DELAY"})
+# variables only at run time; pytest sets the current test's name in the environment; UCX reads UCX_MODULES when a
+# NIXL agent starts, which only a child does, and a requester that started one has it set by pdserve's agent).
+RUN_TIME_VARS = frozenset({"PYTEST_CURRENT_TEST", "VLLM_API_KEY", "KUBECONFIG", "OTEL_BSP_SCHEDULE_DELAY",
+                           "UCX_MODULES"})
 RUN_TIME_PREFIX = "PDSERVE_"
 # What `pdserve serve` and `pdserve gateway` import, up to what would start a thread (the mooncake engine, which
 # the data planes' registry imports, and with it the instance's app and serving modules that reach the data planes
@@ -183,16 +185,16 @@ class ForkedChild:
 
 
 def fork(server: str, argv: list[str], env: dict[str, str], stderr: int, stdout: int | None = None,
-         args_from: int = 3) -> ForkedChild | None:
+         args_from: int = 3) -> ForkedChild | str:
     """Ask the fork server at `server` for `argv` (`python -m pdserve ...`: its arguments from `args_from` on) with
-    `stdout`, or a new pipe as stdout; None when it refuses (the caller spawns the process itself)."""
+    `stdout`, or a new pipe as stdout; when it cannot, why not (the caller spawns the process itself)."""
     request = SpawnRequest(VERSION, argv[0], argv[args_from:], env, os.getcwd())
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         conn.connect(server)
-    except OSError:  # no server there (any more): spawn
+    except OSError as exc:  # no server there (any more): spawn
         conn.close()
-        return None
+        return f"no fork server at {server}: {exc.strerror}"
     read_end, write_end = os.pipe() if stdout is None else (-1, os.dup(stdout))
     conn.settimeout(_ANSWER_S)
     try:
@@ -211,7 +213,7 @@ def fork(server: str, argv: list[str], env: dict[str, str], stderr: int, stdout:
         return ForkedChild(conn, answer.pid, argv, None if read_end < 0 else os.fdopen(read_end, "rb"))
     conn.close()
     _close_fd(read_end)
-    return None
+    return answer.reason if isinstance(answer, Refused) else f"the fork server answered {answer!r}"
 
 
 def _close_fd(fd: int) -> None:

@@ -7,6 +7,7 @@ that line has a deadline, and stopping escalates from SIGTERM to SIGKILL.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import select
 import signal
@@ -22,6 +23,7 @@ from typing import Any
 from pdserve.forkserver import ENV_VAR as FORKSERVER_ENV
 from pdserve.forkserver import ForkedChild, fork
 
+logger = logging.getLogger(__name__)
 
 class LaunchError(RuntimeError):
     pass
@@ -109,7 +111,7 @@ def start_command(name: str, argv: list[str], timeout: float = 120.0, env: dict[
     log_path = Path(log_name)
     full_env = {**(os.environ if inherit_env else {}), "PYTHONUNBUFFERED": "1", **(env or {})}
     with log_path.open("wb") as log_file:
-        popen = _spawn(argv, full_env, log_file.fileno())
+        popen = _spawn(name, argv, full_env, log_file.fileno())
     proc = Process(name, popen, {}, log_path, signal_group)
     try:
         proc.ready = _wait_ready(popen, timeout)
@@ -123,14 +125,16 @@ def start_command(name: str, argv: list[str], timeout: float = 120.0, env: dict[
     return proc
 
 
-def _spawn(argv: list[str], env: dict[str, str], stderr: int) -> subprocess.Popen | ForkedChild:
+def _spawn(name: str, argv: list[str], env: dict[str, str], stderr: int) -> subprocess.Popen | ForkedChild:
     """`python -m pdserve ...` comes from the fork server named in the environment where there is one and it agrees
-    (tests: it saves importing torch and the web stack per process); anything else is spawned."""
+    (tests: it saves importing torch and the web stack per process); anything else is spawned. A fork server that
+    could not fork says why in a warning: each such process costs a full import, which a test suite should hear."""
     server = os.environ.get(FORKSERVER_ENV)
     if server and argv[:3] == [sys.executable, "-m", "pdserve"]:
         child = fork(server, argv, env, stderr)
-        if child is not None:
+        if isinstance(child, ForkedChild):
             return child
+        logger.warning("%s is spawned, not forked: %s", name, child)
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, env=env, start_new_session=True)
 
 

@@ -29,6 +29,7 @@ still runs one file in one process. Rules that keep a test safe in parallel work
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import sys
@@ -115,11 +116,26 @@ def _fork_server(request: pytest.FixtureRequest) -> Iterator[None]:
         warnings.warn(f"no fork server, pdserve processes are spawned: {exc}", stacklevel=1)
         yield
         return
+    launcher_log = logging.getLogger("pdserve.launcher")
+    handler = _WarnOnSpawn(logging.WARNING)
+    launcher_log.addHandler(handler)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(FORKSERVER_ENV, server.ready["socket"])
         yield
+    launcher_log.removeHandler(handler)
     server.stop()
     shutil.rmtree(folder, ignore_errors=True)
+
+
+class SpawnedNotForked(UserWarning):
+    """A pdserve process the fork server could not fork: it paid a full import (~10 CPU-seconds)."""
+
+
+class _WarnOnSpawn(logging.Handler):
+    """The launcher's fallbacks as warnings, so pytest's warnings summary names each one and the test it cost."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        warnings.warn(record.getMessage(), SpawnedNotForked, stacklevel=1)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -71,6 +71,20 @@ def test_exit_statuses_come_back_from_the_server(forking, models, tmp_path: Path
     assert proc.popen.poll() == -9 and proc.popen.wait(0) == -9
 
 
+def test_a_requester_that_started_a_nixl_agent_still_forks(forking, models, monkeypatch: pytest.MonkeyPatch):
+    # A NIXL agent sets UCX_MODULES in its own process; UCX reads it only when an agent starts, which the server
+    # never does, so a test that ran NIXL in-process must not turn every later instance into a full import.
+    monkeypatch.setenv("UCX_MODULES", "^ib,^rdmacm")
+    proc = start_instance(models("llama"), *SMALL, name="after-nixl")
+    try:
+        assert isinstance(proc.popen, ForkedChild) and parent_of(proc.pid) == forking.pid
+    finally:
+        proc.stop()
+    maps = Path(f"/proc/{forking.pid}/maps").read_text()
+    assert "libucs" not in maps and "libucp" not in maps, "the server loaded UCX: UCX_MODULES is no run-time variable"
+
+
+@pytest.mark.filterwarnings("ignore:spawned is spawned, not forked")
 def test_what_may_have_been_read_at_import_is_spawned(forking, models):
     proc = start_instance(models("llama"), *SMALL, name="spawned", env={"OMP_NUM_THREADS": "1"})
     try:
@@ -98,7 +112,7 @@ def test_what_is_not_a_spawn_request_is_refused_and_no_server_means_spawn(server
         conn.send(b"not json")
         assert b"refused" in conn.recv(1 << 16)
     with open(os.devnull, "wb") as sink:
-        assert fork(str(tmp_path / "nobody"), [sys.executable, "-m", "pdserve"], {}, sink.fileno()) is None
+        assert fork(str(tmp_path / "nobody"), [sys.executable, "-m", "pdserve"], {}, sink.fileno()).startswith("no fork server")
 
 
 def test_stopping_the_server_kills_what_it_still_runs(models, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
