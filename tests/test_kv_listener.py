@@ -155,6 +155,26 @@ def test_events_lost_to_the_high_water_mark_are_replayed(ipc, listening, found_b
         publisher.close()
 
 
+def test_a_quiet_publisher_is_probed_on_one_replay_connection(ipc, listening):
+    """The probes of a quiet publisher go on the connection its last answer came on: dialling a fresh one for
+    each cost both sides a connection's setup and teardown every few seconds."""
+    publisher = KVEventPublisher(ipc("p"), block_size=BS)
+    try:
+        publish_blocks(publisher, 0, 2)
+        index, listener = listening(idle_replay_s=0.1)
+        listener.set_members({"p": publisher.address()})
+        wait_for(lambda: publisher.replays >= 1 and state(listener, "p") == "live", what="the first replay")
+        dealer = listener._subs["p"].dealer
+        assert dealer is not None
+        wait_for(lambda: publisher.replays >= 5, what="the quiet publisher to be probed")
+        assert listener._subs["p"].dealer is dealer and state(listener, "p") == "live"
+        publish_blocks(publisher, 2, 1)
+        wait_for(lambda: held(index, chain(3), BS, "p") == 3, what="a live batch after the probes")
+        assert listener.snapshot()["p"][1].gaps == 0
+    finally:
+        publisher.close()
+
+
 def test_a_restarted_publisher_is_rebuilt_and_a_dead_one_scored_by_load(ipc, listening):
     config = ipc("p")
     publisher = KVEventPublisher(config, block_size=BS)

@@ -16,8 +16,9 @@ Per instance, the subscription is a small state machine:
   still buffers), then what arrived live meanwhile is applied in order; a publisher without a replay endpoint is
   taken from its next batch on.
 * **live**: batches apply in sequence. A publisher that falls quiet is asked for anything after its last batch
-  now and then (`idle_replay_s`): a loss at the end of a burst shows no gap until another batch comes. A gap (the publisher's high-water mark dropped some) replays from the first
-  missing one, or, with no replay endpoint, clears the instance. A sequence that goes back means the engine
+  after `idle_replay_s` (30 s: an instance that gets work publishes, and its next batch shows any gap), on the
+  replay connection the last answer came on: a loss at the end of a burst shows no gap until another batch comes. A gap (the publisher's high-water mark dropped some) replays from the
+  first missing one, or, with no replay endpoint, clears the instance. A sequence that goes back means the engine
   restarted (or a batch came twice): the instance is cleared and replayed from 0. A replay that does not end in
   time degrades the instance (cleared, retried later). A batch that does not decode clears the instance; a message
   that is not a batch at all (foreign framing) is counted and ignored.
@@ -49,8 +50,9 @@ _MAX_HELD = 10_000  # live batches kept while a replay runs; past it the replay 
 _END_SEQ = -1
 _BUDGET = 64  # messages read from one socket per turn; the rest in the next turn
 # In a loop, live batches between picks and the deadlines are taken on this timer: a batch waits at most this long
-# while no request comes (the index is read only at a pick), and a deadline set meanwhile is seen within it.
-_LOOP_TICK_S = 0.25
+# while no request comes (the index is read only at a pick, which reads everything first), and a deadline set
+# meanwhile is seen within it. Once a second, with the sweep: a quiet gateway woke four times a second for nothing.
+_LOOP_TICK_S = 1.0
 # A plain int: pyzmq's flag enum would run Python code on every `&` of a socket's EVENTS with it.
 _POLLIN = int(zmq.POLLIN)
 
@@ -72,6 +74,7 @@ class _Subscription:
     sub: zmq.Socket
     monitor: zmq.Socket
     dealer: zmq.Socket | None = None
+    answered: bool = False  # the dealer's last request has had its end marker: it can carry the next one
     state: str = "connecting"  # connecting, replaying, live, degraded
     hole: bool = False  # the running replay skipped some batches: the rest of it is ignored and it is asked again
     replayed: int = 0  # batches the running replay brought
@@ -83,7 +86,7 @@ class _Subscription:
 
 class Listener:
     def __init__(self, index: PrefixIndex, replay_timeout_s: float = 5.0, retry_s: float = 2.0,
-                 rcvhwm: int = 100_000, idle_replay_s: float = 5.0) -> None:
+                 rcvhwm: int = 100_000, idle_replay_s: float = 30.0) -> None:
         self.index = index
         self.replay_timeout_s = replay_timeout_s
         self.retry_s = retry_s
@@ -315,15 +318,22 @@ class Listener:
         if sub.address.replay_endpoint is None:
             sub.state, sub.deadline = "live", 0.0
             return
-        self._unwatch(sub.dealer)  # a fresh socket: nothing of an unanswered request can arrive late
-        dealer = sub.dealer = self._ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        # A replay sends thousands of batches at once; a ROUTER drops what a full pipe cannot take (the end marker
-        # too), so this side takes everything (the publisher's buffer bounds it).
-        dealer.setsockopt(zmq.RCVHWM, 0)
-        dealer.connect(sub.address.replay_endpoint)
-        self._watch(sub, dealer, "dealer")
-        dealer.send_multipart((b"", start.to_bytes(8, "big")))
+        if sub.dealer is None or not sub.answered:
+            # A fresh socket: nothing of an unanswered request can arrive late. A connection whose last answer
+            # ended is kept: the idle probes would otherwise dial and tear down a TCP connection on both sides
+            # every few seconds, most of what a quiet gateway spent on its subscriptions.
+            self._unwatch(sub.dealer)
+            sub.dealer = self._ctx.socket(zmq.DEALER)
+            sub.dealer.setsockopt(zmq.LINGER, 0)
+            # A replay sends thousands of batches at once; a ROUTER drops what a full pipe cannot take (the end
+            # marker too), so this side takes everything (the publisher's buffer bounds it).
+            sub.dealer.setsockopt(zmq.RCVHWM, 0)
+            sub.dealer.connect(sub.address.replay_endpoint)
+            self._watch(sub, sub.dealer, "dealer")
+        sub.answered = False
+        sub.dealer.send_multipart((b"", start.to_bytes(8, "big")))
+        if self._loop is not None:  # a send may take in the socket's pending signal: look again after it
+            self._loop.call_soon(self._readable, sub.dealer)
         sub.counters.replays += counted
         sub.state, sub.hole, sub.replayed = "replaying", False, 0
         sub.deadline = time.monotonic() + self.replay_timeout_s
@@ -337,11 +347,12 @@ class Listener:
                 continue
             seq = int.from_bytes(frames[-2], "big", signed=True)
             if seq == _END_SEQ:
+                sub.answered = True
                 if sub.hole:
                     self._start_replay(sub, sub.next_seq or 0, clear=sub.next_seq is None)
                 else:
                     self._end_replay(sub)
-                return False
+                continue  # read on until nothing waits: ZMQ signals the next answer once a read found none
             if sub.hole:
                 continue
             sub.replayed += 1
@@ -360,8 +371,6 @@ class Listener:
     def _end_replay(self, sub: _Subscription) -> None:
         sub.state = "live"
         self._quiet_from_now(sub)
-        self._unwatch(sub.dealer)
-        sub.dealer = None
         held, sub.held = sub.held, []
         for seq, payload in held:
             if sub.next_seq is not None and seq < sub.next_seq:

@@ -27,7 +27,9 @@ from pdserve.kv_events.prompt import PromptTokenizer, RoutedPrompt, token_ids
 from pdserve.membership.record import KvEvents, normalise_url
 
 log = logging.getLogger(__name__)
-_MEMBERSHIP_S = 0.5  # how often the subscriptions are matched to the registry
+# How often the subscriptions are matched to the registry. A departed instance is never routed to meanwhile (picks
+# choose among the registry's instances); a new one is scored by load until its subscription starts.
+_MEMBERSHIP_S = 1.0
 
 
 def publisher_of(instance: Instance) -> PublisherAddress | None:
