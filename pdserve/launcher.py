@@ -25,6 +25,7 @@ from pdserve.forkserver import ForkedChild, fork
 
 logger = logging.getLogger(__name__)
 
+
 class LaunchError(RuntimeError):
     pass
 

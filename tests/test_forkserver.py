@@ -112,7 +112,8 @@ def test_what_is_not_a_spawn_request_is_refused_and_no_server_means_spawn(server
         conn.send(b"not json")
         assert b"refused" in conn.recv(1 << 16)
     with open(os.devnull, "wb") as sink:
-        assert fork(str(tmp_path / "nobody"), [sys.executable, "-m", "pdserve"], {}, sink.fileno()).startswith("no fork server")
+        why = fork(str(tmp_path / "nobody"), [sys.executable, "-m", "pdserve"], {}, sink.fileno())
+    assert why.startswith("no fork server")
 
 
 def test_stopping_the_server_kills_what_it_still_runs(models, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):

@@ -17,8 +17,9 @@ Per instance, the subscription is a small state machine:
   taken from its next batch on.
 * **live**: batches apply in sequence. A publisher that falls quiet is asked for anything after its last batch
   after `idle_replay_s` (30 s: an instance that gets work publishes, and its next batch shows any gap), on the
-  replay connection the last answer came on: a loss at the end of a burst shows no gap until another batch comes. A gap (the publisher's high-water mark dropped some) replays from the
-  first missing one, or, with no replay endpoint, clears the instance. A sequence that goes back means the engine
+  replay connection the last answer came on: a loss at the end of a burst shows no gap until another batch comes.
+  A gap (the publisher's high-water mark dropped some) replays from the first missing one, or, with no replay
+  endpoint, clears the instance. A sequence that goes back means the engine
   restarted (or a batch came twice): the instance is cleared and replayed from 0. A replay that does not end in
   time degrades the instance (cleared, retried later). A batch that does not decode clears the instance; a message
   that is not a batch at all (foreign framing) is counted and ignored.
