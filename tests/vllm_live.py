@@ -212,9 +212,9 @@ def start_vllm(model: Path | str, *, role: str | None = None, name: str = "vllm"
     env = {**(env or {}), "TMPDIR": str(tmp_dir)}
     with open(log_name, "wb") as log:
         popen = _forked(venv, argv, side_channel, env, log.fileno())
+        if isinstance(popen, str):  # a refusal costs a full import of vLLM
+            warnings.warn(f"vLLM {name} is spawned, not forked: {popen}", stacklevel=2)
         if not isinstance(popen, ForkedChild):
-            if os.environ.get(FORKSERVER_ENV):  # a refusal (not a server still starting) costs a full import of vLLM
-                warnings.warn(f"vLLM {name} is spawned, not forked: {popen}", stacklevel=2)
             popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=vllm_env(side_channel, env), start_new_session=True)
     nixl = bool(role) or (kv_transfer_config or {}).get("kv_connector") == "NixlConnector"
@@ -235,12 +235,12 @@ def vllm_fork_server(folder: Path) -> Process:
 
 
 def _forked(venv: Path, argv: list[str], side_channel: int | None, env: dict[str, str] | None, log: int):
-    """`argv` forked from this worker's vLLM fork server; where there is none (yet) or it refuses (the instance
-    needs a variable the server cannot give it), why not. pdserve's path is on every forked instance's, as on the
+    """`argv` forked from this worker's vLLM fork server; None where there is none (yet), and where it refuses
+    (the instance needs a variable the server cannot give it), why not. pdserve's path is on every forked instance's, as on the
     server's: only a PdConnector instance imports from it."""
     server = os.environ.get(FORKSERVER_ENV)
     if not server:
-        return "no vLLM fork server (yet)"
+        return None
     child_env = vllm_env(side_channel, {"PYTHONPATH": pdserve_path(), **(env or {})})
     return fork(server, [str(venv / "bin" / "python"), *argv], child_env, log, stdout=log, args_from=2)
 

@@ -319,10 +319,10 @@ class Listener:
         if sub.address.replay_endpoint is None:
             sub.state, sub.deadline = "live", 0.0
             return
-        if sub.dealer is None or not sub.answered:
-            # A fresh socket: nothing of an unanswered request can arrive late. A connection whose last answer
-            # ended is kept: the idle probes would otherwise dial and tear down a TCP connection on both sides
-            # every few seconds, most of what a quiet gateway spent on its subscriptions.
+        # A fresh socket unless the last answer ended: nothing unanswered can arrive late, and idle probes do not
+        # dial and tear down a TCP connection on both sides each time (most of what a quiet gateway spent here).
+        kept = sub.dealer is not None and sub.answered
+        if not kept:
             self._unwatch(sub.dealer)
             sub.dealer = self._ctx.socket(zmq.DEALER)
             sub.dealer.setsockopt(zmq.LINGER, 0)
@@ -333,7 +333,7 @@ class Listener:
             self._watch(sub, sub.dealer, "dealer")
         sub.answered = False
         sub.dealer.send_multipart((b"", start.to_bytes(8, "big")))
-        if self._loop is not None:  # a send may take in the socket's pending signal: look again after it
+        if kept and self._loop is not None:  # a send may take in its pending signal (a new one is read on watch)
             self._loop.call_soon(self._readable, sub.dealer)
         sub.counters.replays += counted
         sub.state, sub.hole, sub.replayed = "replaying", False, 0
