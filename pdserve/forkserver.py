@@ -48,30 +48,38 @@ import msgspec
 ENV_VAR = "PDSERVE_FORKSERVER"  # the server's socket path, in the requester's environment
 VERSION = 1
 # Variables a child may have that differ from the server's: read at run time only (pdserve reads its own PDSERVE_*
-# variables only at run time; pytest sets the current test's name in the environment; UCX reads UCX_MODULES when a
-# NIXL agent starts, which only a child does, and a requester that started one has it set by pdserve's agent).
+# variables only at run time; pytest sets the current test's name in the environment). The transfer engines read
+# theirs as they start, which only a child does, and pdserve's planes set them in a requester that used one:
+# UCX_MODULES when a NIXL agent starts, MC_LOG_LEVEL when Mooncake's engine module loads.
+ENGINE_VARS = frozenset({"UCX_MODULES", "MC_LOG_LEVEL"})
 RUN_TIME_VARS = frozenset({"PYTEST_CURRENT_TEST", "VLLM_API_KEY", "KUBECONFIG", "OTEL_BSP_SCHEDULE_DELAY",
-                           "UCX_MODULES"})
+                           *ENGINE_VARS})
 RUN_TIME_PREFIX = "PDSERVE_"
-# What `pdserve serve` and `pdserve gateway` import, up to what would start a thread (the mooncake engine, which
-# the data planes' registry imports, and with it the instance's app and serving modules that reach the data planes
-# through migration: the child imports that part itself).
+# What `pdserve serve` and `pdserve gateway` import, the instance with its app, connectors and data planes
+# included (an optional plane's transfer engine, which may start threads, loads only in a child that uses it).
 PRELOAD = ("numpy", "torch", "transformers", "transformers.models.auto.tokenization_auto",
            "transformers.tokenization_utils_fast", "safetensors.torch", "PIL.Image", "fastapi", "uvicorn", "httpx",
-           "aiohttp", "prometheus_client", "pdserve.cli", "pdserve.server.launch", "pdserve.membership.sidecar",
-           "pdserve.modelgen.cli", "pdserve.engine.llm_engine",
+           "aiohttp", "prometheus_client", "uvicorn.protocols.http.httptools_impl",
+           "pydantic.v1",  # FastAPI imports it when the first route is added, to tell models of either kind apart
+           "pdserve.cli", "pdserve.server.launch", "pdserve.membership.sidecar",
+           "pdserve.modelgen.cli", "pdserve.engine.llm_engine", "pdserve.instance", "pdserve.server.app",
            "pdserve.gateway.cli", "pdserve.gateway.service",
            *(f"transformers.models.{name}.configuration_{name}" for name in ("llama", "mistral", "qwen2", "qwen3",
                                                                              "llava")))
 # vLLM 0.32's `vllm serve` on the CPU: its entry, the OpenAI server, the engine core and the CPU worker and model
-# (the core process is forked from the server process, so it inherits them too).
+# (the core process is forked from the server process, so it inherits them too), and what those import only
+# while an instance starts (the quantization registry the model loader consults, the scheduler, the attention
+# backend, the profiler's routes, uvicorn's WebSocket protocol, the NixlConnector).
 VLLM_PRELOAD = ("torch", "transformers", "vllm.entrypoints.cli.main", "vllm.entrypoints.openai.api_server",
                 "vllm.v1.engine.core", "vllm.v1.engine.async_llm", "vllm.v1.worker.cpu_model_runner",
-                "vllm.model_executor.models.llama")
+                "vllm.model_executor.models.llama", "vllm.model_executor.layers.quantization.online.base",
+                "vllm.v1.worker.cpu_worker", "vllm.v1.core.sched.scheduler", "vllm.v1.attention.backends.cpu_attn",
+                "vllm.entrypoints.serve.profile.api_router", "uvicorn.protocols.websockets.auto",
+                "vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector")
 # vllm.envs reads its variables when they are used; the side channel and the temporary folder (`vllm_main` reads it
 # afresh) are the ones that differ between instances.
 VLLM_RUN_TIME_VARS = frozenset({"PYTEST_CURRENT_TEST", "VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT",
-                                "TMPDIR"})
+                                "TMPDIR", *ENGINE_VARS})
 
 
 class Profile(NamedTuple):

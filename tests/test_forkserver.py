@@ -71,17 +71,21 @@ def test_exit_statuses_come_back_from_the_server(forking, models, tmp_path: Path
     assert proc.popen.poll() == -9 and proc.popen.wait(0) == -9
 
 
-def test_a_requester_that_started_a_nixl_agent_still_forks(forking, models, monkeypatch: pytest.MonkeyPatch):
-    # A NIXL agent sets UCX_MODULES in its own process; UCX reads it only when an agent starts, which the server
-    # never does, so a test that ran NIXL in-process must not turn every later instance into a full import.
-    monkeypatch.setenv("UCX_MODULES", "^ib,^rdmacm")
-    proc = start_instance(models("llama"), *SMALL, name="after-nixl")
+@pytest.mark.parametrize("name, value, libraries", [("UCX_MODULES", "^ib,^rdmacm", ("libucs", "libucp")),
+                                                     ("MC_LOG_LEVEL", "INFO", ("mooncake/engine",))])
+def test_a_requester_that_used_a_transfer_engine_still_forks(forking, models, monkeypatch: pytest.MonkeyPatch,
+                                                            name: str, value: str, libraries: tuple[str, ...]):
+    # pdserve's planes set these in their own process (a NIXL agent UCX_MODULES, the Mooncake plane MC_LOG_LEVEL);
+    # each engine reads its variable only as it starts, which the server never does, so a test that ran a plane
+    # in-process must not turn every later instance into a full import.
+    monkeypatch.setenv(name, value)
+    proc = start_instance(models("llama"), *SMALL, name=f"after-{name}")
     try:
         assert isinstance(proc.popen, ForkedChild) and parent_of(proc.pid) == forking.pid
     finally:
         proc.stop()
     maps = Path(f"/proc/{forking.pid}/maps").read_text()
-    assert "libucs" not in maps and "libucp" not in maps, "the server loaded UCX: UCX_MODULES is no run-time variable"
+    assert not any(library in maps for library in libraries), f"the server loaded the engine: {name} is read there"
 
 
 @pytest.mark.filterwarnings("ignore:spawned is spawned, not forked")

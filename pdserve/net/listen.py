@@ -68,7 +68,8 @@ async def serve_announced(app: object, sock: socket.socket, log_level: str, fiel
                           admin_sock: socket.socket | None = None,
                           drain: Callable[[Callable[[], None]], Callable[[], None]] | None = None,
                           proxy_headers: bool = True) -> None:
-    """Serve `app` on `sock` with uvicorn (httptools), and print the ready line once it accepts connections.
+    """Serve `app` on `sock` with uvicorn (httptools; no WebSocket protocol, as no route speaks one), and print the
+    ready line once it accepts connections.
 
     `proxy_headers=False` leaves out uvicorn's X-Forwarded-For middleware, a layer every request crosses: for an app
     that reads the client's address only to log it (pdserve.net.auth.peer names the forwarded-for client itself).
@@ -82,7 +83,7 @@ async def serve_announced(app: object, sock: socket.socket, log_level: str, fiel
         sockets.append(admin_sock)
         fields = {**fields, "admin_port": admin_sock.getsockname()[1]}
     server = _Server(uvicorn.Config(app, log_level=log_level.lower(), access_log=False, lifespan="off",
-                                    timeout_keep_alive=KEEP_ALIVE_S, http="httptools",
+                                    timeout_keep_alive=KEEP_ALIVE_S, http="httptools", ws="none",
                                     proxy_headers=proxy_headers))
     if drain is not None:
         loop = asyncio.get_running_loop()

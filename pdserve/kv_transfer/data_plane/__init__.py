@@ -23,29 +23,32 @@ OPTIONAL_PLANES: dict[str, tuple[str, str, str, str]] = {
 }
 
 
-def _available() -> dict[str, type[DataPlane]]:
-    planes: dict[str, type[DataPlane]] = {"shm": ShmDataPlane, "tcp": TcpDataPlane}
-    for name, (module, cls, engine, _) in OPTIONAL_PLANES.items():
-        if importlib.util.find_spec(engine) is None:
-            continue
-        try:
-            planes[name] = getattr(importlib.import_module(module), cls)
-        except ImportError:  # an optional dependency (the extra of the same name) or a system library it needs
-            continue
-    return planes
+def _installed() -> tuple[str, ...]:
+    return ("shm", "tcp", *(name for name, (_, _, engine, _) in OPTIONAL_PLANES.items()
+                            if importlib.util.find_spec(engine) is not None))
 
 
-DATA_PLANES: dict[str, type[DataPlane]] = _available()
+# The planes this installation offers. An optional plane's module is imported by the first instance that makes
+# one, not here: Mooncake's engine starts five threads as its module loads, which every process importing the
+# registry would then carry (a fork server must carry none), where most instances never use it.
+DATA_PLANES: tuple[str, ...] = _installed()
 
 
 def make_data_plane(name: str, host: str) -> DataPlane:
-    cls = DATA_PLANES.get(name)
-    if cls is None and name in OPTIONAL_PLANES:
-        raise ValueError(f"the {name} data plane needs its transfer engine, which is not installed: "
-                         f"{OPTIONAL_PLANES[name][3]}")
-    if cls is None:
+    if name == "shm":
+        return ShmDataPlane(host)
+    if name == "tcp":
+        return TcpDataPlane(host)
+    if name not in OPTIONAL_PLANES:
         raise ValueError(f"unknown data plane {name!r}; available: {', '.join(sorted(DATA_PLANES))}")
-    return cls(host)
+    module, cls, _, hint = OPTIONAL_PLANES[name]
+    if name not in DATA_PLANES:
+        raise ValueError(f"the {name} data plane needs its transfer engine, which is not installed: {hint}")
+    try:
+        plane: type[DataPlane] = getattr(importlib.import_module(module), cls)
+    except ImportError as exc:  # the engine is there but a system library it links is not
+        raise ValueError(f"the {name} data plane cannot load its transfer engine ({exc}): {hint}") from exc
+    return plane(host)
 
 
 __all__ = ["DATA_PLANES", "NIXL_INSTALL_HINT", "OPTIONAL_PLANES", "DataPlane", "DataPlaneError", "PeerChannel",
