@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import shutil
+import ssl
 import sys
 import tempfile
 import threading
@@ -51,6 +52,22 @@ from pdserve.llm import LLM
 from pdserve.modelgen import make_text_model
 
 torch.set_num_threads(1)
+
+
+def _lazy_ca_certificates() -> None:
+    """httpx's module-level calls (`httpx.get`, `httpx.post`), which the tests use throughout, build a verifying TLS
+    context per call even for plain http://, and loading a whole CA bundle into it (SSL_CERT_FILE's, or certifi's)
+    costs ~50 CPU-ms a call: most of what some test files spent in their own process. The tests speak plain HTTP on
+    loopback only, so their processes point OpenSSL at the system's hashed certificate folder instead, which it reads
+    only when a certificate is checked (~0.4 ms a context). Set before any server starts, so every process the tests
+    start shares it (the fork servers compare environments)."""
+    folder = ssl.get_default_verify_paths().capath
+    if folder and os.path.isdir(folder):
+        os.environ.pop("SSL_CERT_FILE", None)
+        os.environ["SSL_CERT_DIR"] = folder
+
+
+_lazy_ca_certificates()
 
 # Planes run for breadth: in each suite parametrised over data planes they run only the cases marked `core`,
 # which exercise the plane end to end (pull, push, concurrency, faults, refusals) at a fraction of the suite's time.
