@@ -7,11 +7,14 @@ boot id, an abstract socket out of reach. tests/test_netns.py checks the same ac
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
 import torch
 
+import pdserve.kv_transfer.data_plane as registry
 from pdserve.kv_transfer.agent import AgentConfig, TransferAgent
 from pdserve.kv_transfer.data_plane import DataPlaneError, make_data_plane
 
@@ -61,3 +64,36 @@ def test_no_plane_connects_is_an_error_naming_each_attempt():
     finally:
         producer.stop()
         consumer.stop()
+
+
+_LOADS = """
+import sys
+import pdserve.kv_transfer.data_plane as registry
+loaded = lambda: any(name.split(".")[0] == "mooncake" for name in sys.modules)
+before = loaded()
+plane = registry.make_data_plane("mooncake", "127.0.0.1")
+print("mooncake" in registry.DATA_PLANES, before, loaded())
+plane.stop()
+"""
+
+
+def test_an_optional_engine_loads_only_where_its_plane_is_made():
+    # Mooncake's engine starts threads as its module loads: a process that only imports the registry (every
+    # instance, the fork server) must not carry them.
+    out = subprocess.run([sys.executable, "-c", _LOADS], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "False", "True"]
+
+
+def test_a_plane_that_cannot_be_made_says_why(monkeypatch: pytest.MonkeyPatch):
+    with pytest.raises(ValueError, match="unknown data plane 'carrier-pigeon'; available: .*shm"):
+        make_data_plane("carrier-pigeon", "127.0.0.1")
+    monkeypatch.setitem(registry.OPTIONAL_PLANES, "absent", ("pdserve.no_such_plane", "Plane", "no_such_engine",
+                                                             "pip install no-such-engine"))
+    with pytest.raises(ValueError, match="not installed: pip install no-such-engine"):
+        make_data_plane("absent", "127.0.0.1")
+    # its engine's package is there, but the plane's module does not load (a system library it links is missing)
+    monkeypatch.setitem(registry.OPTIONAL_PLANES, "broken", ("pdserve.no_such_plane", "Plane", "json", "a hint"))
+    monkeypatch.setattr(registry, "DATA_PLANES", (*registry.DATA_PLANES, "broken"))
+    with pytest.raises(ValueError, match=r"cannot load its transfer engine \(No module named .*\): a hint"):
+        make_data_plane("broken", "127.0.0.1")
