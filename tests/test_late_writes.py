@@ -33,10 +33,11 @@ BLOCKS = [2, 3]
 LATE_S = 2.0  # the mover starts this long after it was let in, well past D's deadline
 DEADLINE_S = 0.3
 PUSH_DEADLINE_S = 1.0  # P's write must be let in before it, on a box loaded by other tests too
-# D's read must be under way before it (on nixl and mooncake, after P's grant), or nothing is late and no hold
-# follows. At 0.3 s the mooncake case missed the hold on a loaded box in two runs of the suite (not reproduced alone,
-# nor beside three busy loops): a second leaves the read time to begin, and it still ends long after.
-LOAD_DEADLINE_S = 1.0
+# D's read must be under way before it (after D's own grant request to P), or nothing is late and no hold follows.
+# With a deadline of 0.3 s, then 1 s, and a read that simply ended LATE_S later, the suite missed the hold in five
+# of eleven runs on a loaded box (each plane in turn): the read now waits for the test, which lets it go once it
+# has seen the hold, and the deadline leaves the grant three seconds.
+LOAD_DEADLINE_S = 3.0
 
 pytestmark = [pytest.mark.parametrize("plane", data_planes("shm", "tcp", "nixl", "mooncake")), pytest.mark.core]
 
@@ -59,9 +60,10 @@ def agents(plane) -> Iterator[tuple[TransferAgent, TransferAgent]]:
         agent.stop()
 
 
-def slowed(channel, plane: str, op: str) -> None:
-    """Delay the channel's transfers by LATE_S: after the owner's grant on a one-sided engine, before the copy
-    on shm (which has no grant), before the socket transfer on tcp (after D's own check on a read)."""
+def slowed(channel, plane: str, op: str, gate: tuple[threading.Event, threading.Event] | None = None) -> None:
+    """Delay the channel's transfers by LATE_S, or with `gate` (started, go) until the test sets `go`: after the
+    owner's grant on a one-sided engine, before the copy on shm (which has no grant), before the socket transfer on
+    tcp (after D's own check on a read)."""
     if plane in ("nixl", "mooncake"):
         target = "move"
     else:
@@ -69,7 +71,12 @@ def slowed(channel, plane: str, op: str) -> None:
     original = getattr(channel, target)
 
     def late(*args, **kwargs):
-        time.sleep(LATE_S)
+        if gate is None:
+            time.sleep(LATE_S)
+        else:
+            gate[0].set()
+            if not gate[1].wait(60):
+                raise TimeoutError("the test never let the transfer go")
         return original(*args, **kwargs)
 
     setattr(channel, target, late)
@@ -158,11 +165,17 @@ def test_a_load_past_its_deadline_fails_only_once_its_read_ended(agents, plane):
     reported failed only after the read stopped moving bytes."""
     p, d = agents
     p.pull_producer.hold("k", "tok", [0, 1])
-    slowed(channel_to(d, p), plane, "read")
+    started, go = threading.Event(), threading.Event()
+    slowed(channel_to(d, p), plane, "read", gate=(started, go))
     d.pull_consumer.submit(LoadJob(ReqId("r"), "127.0.0.1", p.port, "P", "k", "tok", (0, 1), tuple(BLOCKS),
                                    LOAD_DEADLINE_S))
-    wait_for(lambda: d.stats.blocks_quarantined == len(BLOCKS), timeout=LOAD_DEADLINE_S + LATE_S,
-             what="the late read's blocks to be held past the load's deadline")
+    assert started.wait(LOAD_DEADLINE_S + 5), "the read never began: the grant came after the load's deadline"
+    try:
+        wait_for(lambda: d.stats.blocks_quarantined == len(BLOCKS), timeout=LOAD_DEADLINE_S + 30,
+                 what="the late read's blocks to be held past the load's deadline")
+        assert not d.pull_consumer.take_completed(), "the load was reported while its read was still to run"
+    finally:
+        go.set()
     result = first_result(d, d.pull_consumer.take_completed)
     assert d.stats.blocks_quarantined == 0  # held until the read ended, then reported
     assert_untouched_after(d, result, lambda: time.sleep(LATE_S + 1))
