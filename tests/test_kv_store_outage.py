@@ -50,18 +50,22 @@ def test_the_store_killed_mid_run_costs_recompute_only_and_comes_back(models, tm
 
         answers: dict[int, tuple] = {}
         failures: list[BaseException] = []
+        killed = threading.Event()
 
         def client() -> None:  # the 8 prompts twice over: 48 blocks of cache, so the first ones are evicted
             try:
                 for i in list(range(8)) * 2:
                     answers[len(answers)] = (i, answer(url, prompts[i]))
+                    if len(answers) == 2 and not killed.wait(60):  # the rest run with the store gone
+                        raise TimeoutError("the store was never killed")
             except BaseException as exc:  # noqa: BLE001 - reported by the test below
                 failures.append(exc)
 
         thread = threading.Thread(target=client)
         thread.start()
-        time.sleep(0.3)
+        wait_for(lambda: len(answers) >= 2 or not thread.is_alive(), what="the first answers")
         server.kill()
+        killed.set()
         thread.join(120)
         assert not thread.is_alive() and not failures, failures
         for i, got in answers.values():
