@@ -238,8 +238,8 @@ def vllm_fork_server(folder: Path) -> Process:
 
 def _forked(venv: Path, argv: list[str], side_channel: int | None, env: dict[str, str] | None, log: int):
     """`argv` forked from this worker's vLLM fork server; None where there is none (yet), and where it refuses
-    (the instance needs a variable the server cannot give it), why not. pdserve's path is on every forked instance's, as on the
-    server's: only a PdConnector instance imports from it."""
+    (the instance needs a variable the server cannot give it), why not. pdserve's path is on every forked
+    instance's, as on the server's: only a PdConnector instance imports from it."""
     server = os.environ.get(FORKSERVER_ENV)
     if not server:
         return None

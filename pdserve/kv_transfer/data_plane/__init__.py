@@ -23,9 +23,12 @@ OPTIONAL_PLANES: dict[str, tuple[str, str, str, str]] = {
 }
 
 
+BUILT_IN_PLANES: dict[str, type[DataPlane]] = {"shm": ShmDataPlane, "tcp": TcpDataPlane}
+
+
 def _installed() -> tuple[str, ...]:
-    return ("shm", "tcp", *(name for name, (_, _, engine, _) in OPTIONAL_PLANES.items()
-                            if importlib.util.find_spec(engine) is not None))
+    return (*BUILT_IN_PLANES, *(name for name, (_, _, engine, _) in OPTIONAL_PLANES.items()
+                                if importlib.util.find_spec(engine) is not None))
 
 
 # The planes this installation offers. An optional plane's module is imported by the first instance that makes
@@ -35,10 +38,8 @@ DATA_PLANES: tuple[str, ...] = _installed()
 
 
 def make_data_plane(name: str, host: str) -> DataPlane:
-    if name == "shm":
-        return ShmDataPlane(host)
-    if name == "tcp":
-        return TcpDataPlane(host)
+    if name in BUILT_IN_PLANES:
+        return BUILT_IN_PLANES[name](host)
     if name not in OPTIONAL_PLANES:
         raise ValueError(f"unknown data plane {name!r}; available: {', '.join(sorted(DATA_PLANES))}")
     module, cls, _, hint = OPTIONAL_PLANES[name]
