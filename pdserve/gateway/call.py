@@ -169,7 +169,7 @@ class Call:
         """A leg goes to `instance`: the prompt tokens it does not hold are prefill work until the first token;
         those and the output are KV it keeps while the leg lasts."""
         prompt = self.prompt
-        if prompt is None or prompt.tokens is None:
+        if prompt is None or not prompt.routable:
             return
         uncached = prompt.num_tokens - int(prompt.cached.get(instance.url, 0))
         load = [uncached, uncached + _max_tokens(self.body)]

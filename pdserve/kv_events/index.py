@@ -41,14 +41,16 @@ ROOT_KEY = 1337  # the chain's seed (Dynamo seeds its block hashes with it too)
 STORE_PREFIX = "store:"  # a shared store's member name: the prefix, then the identity its instances announced
 
 
-def content_keys(token_ids: list[int] | array, block_size: int, limit: int | None = None) -> list[int]:
-    """Chained keys of the whole blocks of `token_ids` (at most `limit`): key i names tokens [0, (i+1)·bs)."""
+def content_keys(token_ids: list[int] | array, block_size: int, limit: int | None = None, seed: int = ROOT_KEY
+                 ) -> list[int]:
+    """Chained keys of the whole blocks of `token_ids` (at most `limit`): key i names tokens [0, (i+1)·bs). `seed`:
+    the key of the block before the first (to go on from blocks keyed before)."""
     data = memoryview(token_ids if isinstance(token_ids, array) else array("I", token_ids)).cast("B")
     step = block_size * 4
     count = len(token_ids) // block_size
     if limit is not None:
         count = min(count, limit)
-    keys, key = [], ROOT_KEY
+    keys, key = [], seed
     for start in range(0, count * step, step):
         key = xxh3_64_intdigest(data[start:start + step], key)
         keys.append(key)
@@ -274,6 +276,25 @@ class PrefixIndex:
         """The block size `member` publishes in; 0 while it has published nothing."""
         state = self._members.get(member)
         return state.block_size if state is not None else 0
+
+    def known(self, key: int, block_size: int) -> bool:
+        """Whether any member (or store) holds the block with this key, or is credited with it."""
+        return self.known_run([key], 0, block_size) == 1
+
+    def known_run(self, keys: list[int], start: int, block_size: int) -> int:
+        """How many of `keys[start:]`, from the first, some member (or store) holds or is credited with."""
+        with self._lock:
+            holders, guesses = self._holders.get(block_size, {}), self._speculative.get(block_size, {})
+            for n in range(start, len(keys)):
+                if keys[n] not in holders and keys[n] not in guesses:
+                    return n - start
+            return len(keys) - start
+
+    def guessed(self, member: str, key: int, block_size: int) -> bool:
+        """Whether `member`'s credit for this block is still due: given, neither confirmed by its events nor lapsed."""
+        with self._lock:
+            expiry = self._speculative.get(block_size, {}).get(key, {}).get(member)
+            return expiry is not None and expiry > time.monotonic()
 
     def overlap_blocks(self, keys: list[int], block_size: int, members: list[str]) -> dict[str, float]:
         """For each member, its credited blocks over the longest run of `keys` from the start it holds (itself,

@@ -16,6 +16,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+from pdserve.kv_events.lazy_ids import LazyIds, cuts_agree
+
 SAMPLES = ("Hello there!\n How are you?  ", " leading space", "tabs\tand\n\nnew lines ", "x")
 
 
@@ -33,6 +35,7 @@ class PieceEncoder:
             if added else None
         self._memory: OrderedDict[str, list[int]] = OrderedDict()
         self.enabled = exact and self._split is not None and self._self_test()
+        self.lazy_ok = self.enabled and cuts_agree(self._ordinary)
 
     def encode(self, text: str) -> list[int]:
         """`text`'s ids without special tokens added around it (the chat template placed them)."""
@@ -45,18 +48,38 @@ class PieceEncoder:
             if i % 2:
                 out.append(self._ids[piece])
             elif piece:
-                out.extend(self._piece(piece))
+                ids = self.remembered(piece)
+                if ids is None:
+                    ids = self.ordinary(piece)
+                    self.remember(piece, ids)
+                out.extend(ids)
         return out
 
-    def _piece(self, piece: str) -> list[int]:
+    def lazy(self, text: str) -> LazyIds | None:
+        """`text`'s ids encoded only as far as they are asked for (lazy_ids.py); None where that could differ."""
+        return LazyIds(self, text) if self.lazy_ok else None
+
+    # -- what LazyIds reads -------------------------------------------------------------------------------
+    def split(self, text: str) -> list[str]:
+        """Ordinary text and added tokens, alternating (the first and last are ordinary, maybe empty)."""
+        return self._split.split(text)
+
+    def added_id(self, token: str) -> int:
+        return self._ids[token]
+
+    def ordinary(self, text: str) -> list[int]:
+        return self._ordinary(text)
+
+    def remembered(self, piece: str) -> list[int] | None:
         ids = self._memory.get(piece)
-        if ids is None:
-            ids = self._memory[piece] = self._ordinary(piece)
-            if len(self._memory) > self.capacity:
-                self._memory.popitem(last=False)
-        else:
+        if ids is not None:
             self._memory.move_to_end(piece)
         return ids
+
+    def remember(self, piece: str, ids: list[int]) -> None:
+        self._memory[piece] = ids
+        if len(self._memory) > self.capacity:
+            self._memory.popitem(last=False)
 
     def _self_test(self) -> bool:
         self.enabled = True

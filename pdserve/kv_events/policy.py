@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 
 from pdserve.gateway.policies import Policy
@@ -36,23 +37,31 @@ class KvAware(Policy):
     name = "kv_aware"
     wants_prompt = True
 
-    def __init__(self, index: PrefixIndex, overlap_weight: float = 2.0, catch_up: Callable[[], None] | None = None
-                 ) -> None:
+    def __init__(self, index: PrefixIndex, overlap_weight: float = 2.0, catch_up: Callable[[], None] | None = None,
+                 deferred_capacity: int = 4096) -> None:
         """`catch_up`: brings the index up to the events received so far (the listener's, when it reads them only
-        when asked)."""
+        when asked). `deferred_capacity`: credits of new prompts kept unencoded (below), at most."""
         self.index = index
         self.overlap_weight = overlap_weight
         self.catch_up = catch_up
+        self.deferred_capacity = deferred_capacity
         self._tiebreak = itertools.count()
+        # (block size, key of a prompt's first block nobody held) -> (instance, prompt): the rest of its credit,
+        # encoded and given only if another prompt comes with that block
+        self._deferred: OrderedDict[tuple[int, int], tuple[str, RoutedPrompt]] = OrderedDict()
 
     def pick(self, candidates: list[Instance], affinity: bytes = b"", prompt: RoutedPrompt | None = None) -> Instance:
         start = next(self._tiebreak) % len(candidates)
         rotated = candidates[start:] + candidates[:start]
-        if prompt is None or prompt.tokens is None:
+        if prompt is None or not prompt.routable:
             return min(rotated, key=lambda i: (i.pending_tokens + i.active_tokens, i.in_flight))
         if self.catch_up is not None:
             self.catch_up()
-        cached = self.cached_tokens(rotated, prompt)
+        by_size: dict[int, list[str]] = {}
+        for instance in rotated:
+            by_size.setdefault(self.index.block_size(instance.url), []).append(instance.url)
+        known = {size: self._known(prompt, size) for size in by_size if size}
+        cached = self.cached_tokens(by_size, known)
         n = prompt.num_tokens
         w = self.overlap_weight
 
@@ -67,19 +76,64 @@ class KvAware(Policy):
         prompt.cached[chosen.url] = cached[chosen.url]
         size = self.index.block_size(chosen.url)
         if size:
-            self.index.credit(chosen.url, prompt.keys(size), size)
+            keys, unknown = known[size]
+            if unknown is None:
+                self.index.credit(chosen.url, keys, size)
+            else:
+                self.index.credit(chosen.url, [*keys, unknown], size)
+                self._defer(size, unknown, chosen.url, prompt)
         return chosen
 
-    def cached_tokens(self, candidates: list[Instance], prompt: RoutedPrompt) -> dict[str, float]:
-        """Prompt tokens each candidate holds, by the index (0 for those it knows nothing of)."""
-        by_size: dict[int, list[str]] = {}
-        for instance in candidates:
-            by_size.setdefault(self.index.block_size(instance.url), []).append(instance.url)
+    def cached_tokens(self, by_size: dict[int, list[str]], known: dict[int, tuple[list[int], int | None]]
+                      ) -> dict[str, float]:
+        """Prompt tokens each candidate (by block size) holds, by the index (0 for those it knows nothing of)."""
         out: dict[str, float] = {}
         for size, members in by_size.items():
             if not size:
                 out.update(dict.fromkeys(members, 0.0))
                 continue
-            blocks = self.index.overlap_blocks(prompt.keys(size), size, members)
+            blocks = self.index.overlap_blocks(known[size][0], size, members)
             out.update({member: credit * size for member, credit in blocks.items()})
         return out
+
+    # -- how far a prompt is read ------------------------------------------------------------------------
+    def _known(self, prompt: RoutedPrompt, size: int) -> tuple[list[int], int | None]:
+        """The keys routing reads, and the first block's that no instance holds or is credited with where the
+        prompt was read no further (else None). A prompt that encodes lazily is first read as far as the pieces
+        it has met before (a template, a system prompt) and a head of the first new one: if a block there is
+        unknown, no instance's cached run goes past it, and the rest is not encoded (a prompt that shares nothing
+        with any cache, behind a template or not). Otherwise it is read whole, as a prompt whose ids came known."""
+        if prompt.exact:
+            return prompt.keys(size), None
+        head = prompt.head_keys(size, 1)
+        read, done = len(head), self.index.known_run(head, 0, size)
+        if done == read and not prompt.exact:  # all known so far: a head of the next new piece too
+            head = prompt.head_keys(size, read + 2)
+            read, done = len(head), done + self.index.known_run(head, done, size)
+        if done < read and not (done and self._complete(size, head[done - 1])):
+            return head[:done], head[done]
+        keys = prompt.keys(size)  # (the list `head` was, grown)
+        if done == read:  # a burst's deferred credit further in
+            done += self.index.known_run(keys, done, size)
+            if 0 < done < len(keys):
+                self._complete(size, keys[done - 1])
+        return keys, None
+
+    def _defer(self, size: int, key: int, member: str, prompt: RoutedPrompt) -> None:
+        """`prompt` went to `member`, credited up to its first block nobody held (`key`, included): the credit of
+        the rest waits, unencoded, for a later prompt that comes with that block before `member`'s events do (a
+        burst with one new prefix). Once they come (the credit of `key` confirmed or lapsed), it is void."""
+        deferred = self._deferred
+        while len(deferred) >= self.deferred_capacity:
+            deferred.popitem(last=False)
+        deferred[(size, key)] = (member, prompt)
+
+    def _complete(self, size: int, key: int) -> bool:
+        """Give the credit deferred after the block with this key, if it is still due (encoding that prompt
+        now); whether one was given."""
+        entry = self._deferred.pop((size, key), None)
+        if entry is None or not self.index.guessed(entry[0], key, size):
+            return False
+        member, prompt = entry
+        self.index.credit(member, prompt.keys(size), size)
+        return True

@@ -19,36 +19,77 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.kv_events.fast_bpe import fast_encoder
-from pdserve.kv_events.index import content_keys
+from pdserve.kv_events.index import ROOT_KEY, content_keys
+from pdserve.kv_events.lazy_ids import LazyIds
 from pdserve.kv_events.pieces import PieceEncoder
 
 _MAX_TOKEN_ID = 2**31 - 1
 
 
 class RoutedPrompt:
-    __slots__ = ("tokens", "cached", "_array", "_keys")
+    """A prompt's token ids and their block keys, known at once (`tokens`) or encoded as far as asked (`lazy`)."""
 
-    def __init__(self, tokens: list[int] | None) -> None:
-        self.tokens = tokens
+    __slots__ = ("_tokens", "_lazy", "cached", "_keys")
+
+    def __init__(self, tokens: list[int] | None, lazy: LazyIds | None = None) -> None:
+        self._tokens = tokens
+        self._lazy = lazy
         self.cached: dict[str, float] = {}  # prompt tokens the instances picked for it held when picked
-        self._array: array | None = None
-        self._keys: dict[int, list[int]] = {}
+        self._keys: dict[int, list[int]] = {}  # per block size, the keys of its first blocks computed so far
+
+    @property
+    def routable(self) -> bool:
+        """Whether its token ids can be known here (without encoding any)."""
+        return self._tokens is not None or self._lazy is not None
+
+    @property
+    def exact(self) -> bool:
+        """Whether all its ids are known (no encoding is left to do)."""
+        return self._lazy is None or self._lazy.complete
+
+    @property
+    def tokens(self) -> list[int] | None:
+        """All its ids (encoding whatever was left)."""
+        if self._lazy is not None:
+            self._tokens = self._lazy.finish() or None
+            self._lazy = None
+        return self._tokens
 
     @property
     def num_tokens(self) -> int:
-        return len(self.tokens) if self.tokens is not None else 0
+        """Its length: exact where every id is known, else estimated from those encoded (a load figure only)."""
+        if self._lazy is not None:
+            return self._lazy.estimate()
+        return len(self._tokens) if self._tokens is not None else 0
 
     def keys(self, block_size: int) -> list[int]:
         """Content keys of the prompt's whole blocks; the last token is never a hit (an engine computes it)."""
+        tokens = self.tokens
+        if tokens is None or block_size < 1:
+            return []
+        return self._extend(block_size, tokens, (len(tokens) - 1) // block_size)
+
+    def head_keys(self, block_size: int, count: int) -> list[int]:
+        """Keys of at least the first `count` blocks where it has them (fewer: it has no more), encoding only as
+        far as they need; more where the ids already encoded key more."""
         keys = self._keys.get(block_size)
-        if keys is None:
-            if self.tokens is None or block_size < 1:
-                keys = []
-            else:
-                if self._array is None:
-                    self._array = array("I", self.tokens)
-                keys = content_keys(self._array, block_size, (len(self.tokens) - 1) // block_size)
-            self._keys[block_size] = keys
+        if keys is not None and len(keys) >= count:
+            return keys
+        if self._lazy is not None:
+            self._lazy.ensure(count * block_size + 1)  # the blocks, and the token after them (never a hit)
+            tokens = self._lazy.ids
+        else:
+            tokens = self._tokens
+        if tokens is None or block_size < 1:
+            return []
+        return self._extend(block_size, tokens, (len(tokens) - 1) // block_size)
+
+    def _extend(self, block_size: int, tokens: list[int], count: int) -> list[int]:
+        keys = self._keys.setdefault(block_size, [])
+        if len(keys) < count:
+            first = len(keys)
+            keys += content_keys(array("I", tokens[first * block_size:count * block_size]), block_size,
+                                 seed=keys[-1] if keys else ROOT_KEY)
         return keys
 
 
@@ -78,8 +119,12 @@ class PromptTokenizer:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def prompt(self, body: dict[str, Any]) -> RoutedPrompt:
-        """The body's prompt as token ids (None when they cannot be known here)."""
+        """The body's prompt as token ids (None when they cannot be known here); a chat prompt's encoded lazily
+        where the tokenizer allows it (lazy_ids.py)."""
         try:
+            if "messages" in body and body.get("prompt") is None and self.pieces.lazy_ok:
+                text = self.render_chat(body)
+                return RoutedPrompt(None, self.pieces.lazy(text) if text else None)
             tokens = self._tokens(body)
         except Exception:  # noqa: BLE001 - a template error is the instance's to report; routing goes on
             return RoutedPrompt(None)
