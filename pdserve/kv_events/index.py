@@ -59,8 +59,13 @@ def content_keys(token_ids: list[int] | array, block_size: int, limit: int | Non
 
 @dataclass(slots=True, eq=False)
 class _Entry:
+    """One (member, engine hash) entry; the LRU holds the entries themselves (hashed by identity, not by a tuple of
+    member and hash built for every block stored and removed)."""
+
     key: int
     block_size: int
+    member: str
+    ekey: EngineHash
     device: int = 0  # copies in the engine's own cache
     offload: int = 0  # copies in other tiers
 
@@ -95,7 +100,7 @@ class PrefixIndex:
         self._members: dict[str, _Member] = {}
         # block size -> content key -> {member: credit per block (1, or offload_weight)}
         self._holders: dict[int, dict[int, dict[str, float]]] = {}
-        self._lru: OrderedDict[tuple[str, EngineHash], None] = OrderedDict()
+        self._lru: OrderedDict[_Entry, None] = OrderedDict()
         self._speculative: dict[int, dict[int, dict[str, float]]] = {}  # block size -> key -> {member: expiry}
 
     # -- what the listener applies ----------------------------------------------------------------------
@@ -187,7 +192,7 @@ class PrefixIndex:
             if entry is None or entry.key != parent_key:
                 if entry is not None:
                     self._forget(member, state, ekey)
-                entry = blocks[ekey] = _Entry(parent_key, bs)
+                entry = blocks[ekey] = _Entry(parent_key, bs, member, ekey)
                 state.entries_of[(bs, parent_key)] = state.entries_of.get((bs, parent_key), 0) + 1
             self._add_copy(member, ekey, entry, device, trim=False)
             if guesses and guesses.pop((bs, parent_key), None) is not None:
@@ -206,25 +211,24 @@ class PrefixIndex:
         if holders is None:
             holders = by_key[entry.key] = {}
         holders[member] = 1.0 if entry.device else self.offload_weight
-        lru_key = (member, ekey)
-        if lru_key in self._lru:
-            self._lru.move_to_end(lru_key)
+        if entry in self._lru:
+            self._lru.move_to_end(entry)
         else:
-            self._lru[lru_key] = None
+            self._lru[entry] = None
         if trim:
             self._trim()
 
     def _trim(self) -> None:
         while len(self._lru) > self.capacity:
-            (old_member, old_hash), _ = self._lru.popitem(last=False)
+            oldest, _ = self._lru.popitem(last=False)
             self.stats.evicted += 1
-            self._forget(old_member, self._members[old_member], old_hash, in_lru=False)
+            self._forget(oldest.member, self._members[oldest.member], oldest.ekey, in_lru=False)
 
     def _removed(self, member: str, state: _Member, hashes: list[EngineHash], medium: str | None) -> None:
         device = medium in (None, MEDIUM_DEVICE)
         blocks = state.blocks
         for block_hash in hashes:
-            ekey = engine_key(block_hash)
+            ekey = block_hash & _U64 if type(block_hash) is int else bytes(block_hash)  # engine_key, inline
             entry = blocks.get(ekey)
             if entry is None:
                 continue
@@ -242,7 +246,7 @@ class PrefixIndex:
     def _forget(self, member: str, state: _Member, ekey: EngineHash, in_lru: bool = True) -> None:
         entry = state.blocks.pop(ekey)
         if in_lru:
-            self._lru.pop((member, ekey), None)
+            self._lru.pop(entry, None)
         content = (entry.block_size, entry.key)
         left = state.entries_of.pop(content) - 1
         if left:
