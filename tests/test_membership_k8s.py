@@ -50,7 +50,9 @@ def test_role_selectors_readiness_labels_and_missed_events(api):
     api.put(make_pod("d-starting", "127.0.0.1", 41003, {"app": "d"}, ready=False, phase="Pending"))
     g = gateway(api, "--prefill-selector", "app=p", "--decode-selector", "app=d")
     try:
-        assert members(g) == {url(41001): "prefill", url(41002): "decode"}
+        # The gateway waits 5 s for its first list, then starts with what it has: on a loaded box (a full suite
+        # beside it) the Kubernetes client's import and first list once took longer.
+        wait_for(lambda: members(g) == {url(41001): "prefill", url(41002): "decode"}, 20, "the first list")
         api.put(make_pod("d-starting", "127.0.0.1", 41003, {"app": "d"}))  # now Running and Ready
         wait_for(lambda: url(41003) in members(g), 10, "a pod that turned Ready")
         api.put(make_pod("d-starting", "127.0.0.1", 41003, {"app": "d"}, ready=False))
@@ -75,7 +77,7 @@ def test_llm_d_role_labels_and_a_watch_from_an_expired_version(api):
     api.put(make_pod("c", "127.0.0.1", 41013, {"llm-d.ai/role": "sidecar"}))  # no role pdserve serves
     g = gateway(api, "--selector", "llm-d.ai/role", "--discovery-relist-seconds", "30")
     try:
-        assert members(g) == {url(41011): "prefill", url(41012): "both"}
+        wait_for(lambda: members(g) == {url(41011): "prefill", url(41012): "both"}, 20, "the first list")
         api.put(make_pod("d", "127.0.0.1", 41014, {"llm-d.ai/role": "decode"}))
         wait_for(lambda: url(41014) in members(g), 10, "a pod added while watching")
         lists = api.lists

@@ -5,6 +5,7 @@ global prefix index from every publishing instance (vLLM and pdserve alike) to r
 * `config.py`: `--kv-events-config`, as vLLM reads it, and where a gateway dials a publisher;
 * `publisher.py`: the engine's side (ZMQ PUB, the replay ROUTER, a queue drained by a thread);
 * `index.py`: the gateway's dual-key prefix index; `listener.py`: one thread subscribed to every publisher;
-* `prompt.py`: the prompt's token ids at the gateway; `policy.py`: the `kv_aware` policy;
+* `prompt.py`: the prompt's token ids at the gateway (`pieces.py`, `fast_bpe.py`, and `lazy_ids.py` for reading a
+  prompt only as far as routing needs); `policy.py`: the `kv_aware` policy;
 * `metrics.py`: `pdserve:gateway_kv_index_*`.
 """

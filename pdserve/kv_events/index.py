@@ -106,8 +106,8 @@ class PrefixIndex:
     # -- what the listener applies ----------------------------------------------------------------------
     def apply(self, member: str, events: Iterable[Event]) -> None:
         with self._lock:
-            state = self._members.setdefault(member, _Member())
-            store = self._members.setdefault(state.store, _Member()) if state.store is not None else None
+            state = self._member(member)
+            store = self._member(state.store) if state.store is not None else None
             removed = stored = cleared = 0  # counted per batch: an engine sends one BlockRemoved per evicted block
             try:
                 for event in events:
@@ -128,6 +128,12 @@ class PrefixIndex:
                 for name, n in (("BlockStored", stored), ("BlockRemoved", removed), ("AllBlocksCleared", cleared)):
                     if n:
                         counts[name] = counts.get(name, 0) + n
+
+    def _member(self, name: str) -> _Member:
+        state = self._members.get(name)  # not setdefault: it would build a _Member (three dicts) for every batch
+        if state is None:
+            state = self._members[name] = _Member()
+        return state
 
     def join(self, member: str, block_size: int | None = None, store: str | None = None) -> None:
         """`member`'s events are flowing: score it (before its first event, by the block size it announced), and
