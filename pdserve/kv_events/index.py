@@ -287,10 +287,6 @@ class PrefixIndex:
         state = self._members.get(member)
         return state.block_size if state is not None else 0
 
-    def known(self, key: int, block_size: int) -> bool:
-        """Whether any member (or store) holds the block with this key, or is credited with it."""
-        return self.known_run([key], 0, block_size) == 1
-
     def known_run(self, keys: list[int], start: int, block_size: int) -> int:
         """How many of `keys[start:]`, from the first, some member (or store) holds or is credited with."""
         with self._lock:

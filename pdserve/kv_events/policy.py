@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -38,7 +39,7 @@ class KvAware(Policy):
     wants_prompt = True
 
     def __init__(self, index: PrefixIndex, overlap_weight: float = 2.0, catch_up: Callable[[], None] | None = None,
-                 deferred_capacity: int = 4096) -> None:
+                 deferred_capacity: int = 1024) -> None:
         """`catch_up`: brings the index up to the events received so far (the listener's, when it reads them only
         when asked). `deferred_capacity`: credits of new prompts kept unencoded (below), at most."""
         self.index = index
@@ -46,9 +47,9 @@ class KvAware(Policy):
         self.catch_up = catch_up
         self.deferred_capacity = deferred_capacity
         self._tiebreak = itertools.count()
-        # (block size, key of a prompt's first block nobody held) -> (instance, prompt): the rest of its credit,
-        # encoded and given only if another prompt comes with that block
-        self._deferred: OrderedDict[tuple[int, int], tuple[str, RoutedPrompt]] = OrderedDict()
+        # (block size, key of a prompt's first block nobody held) -> (instance, prompt, when): the rest of its
+        # credit, encoded and given only if another prompt comes with that block
+        self._deferred: OrderedDict[tuple[int, int], tuple[str, RoutedPrompt, float]] = OrderedDict()
 
     def pick(self, candidates: list[Instance], affinity: bytes = b"", prompt: RoutedPrompt | None = None) -> Instance:
         start = next(self._tiebreak) % len(candidates)
@@ -103,30 +104,30 @@ class KvAware(Policy):
         it has met before (a template, a system prompt) and a head of the first new one: if a block there is
         unknown, no instance's cached run goes past it, and the rest is not encoded (a prompt that shares nothing
         with any cache, behind a template or not). Otherwise it is read whole, as a prompt whose ids came known."""
-        if prompt.exact:
-            return prompt.keys(size), None
-        head = prompt.head_keys(size, 1)
-        read, done = len(head), self.index.known_run(head, 0, size)
-        if done == read and not prompt.exact:  # all known so far: a head of the next new piece too
-            head = prompt.head_keys(size, read + 2)
-            read, done = len(head), done + self.index.known_run(head, done, size)
-        if done < read and not (done and self._complete(size, head[done - 1])):
-            return head[:done], head[done]
-        keys = prompt.keys(size)  # (the list `head` was, grown)
-        if done == read:  # a burst's deferred credit further in
-            done += self.index.known_run(keys, done, size)
-            if 0 < done < len(keys):
-                self._complete(size, keys[done - 1])
+        if not prompt.exact:
+            head = prompt.head_keys(size, 1)  # (the prompt's own list of keys, grown by each call)
+            done = self.index.known_run(head, 0, size)
+            if done == len(head) and not prompt.exact:  # all known so far: a head of the next new piece too
+                prompt.head_keys(size, len(head) + 2)
+                done += self.index.known_run(head, done, size)
+            if done < len(head) and not prompt.exact and not (done and self._complete(size, head[done - 1])):
+                return head[:done], head[done]
+        keys = prompt.keys(size)
+        done = self.index.known_run(keys, 0, size)
+        if 0 < done < len(keys):  # a burst's deferred credit further in
+            self._complete(size, keys[done - 1])
         return keys, None
 
     def _defer(self, size: int, key: int, member: str, prompt: RoutedPrompt) -> None:
         """`prompt` went to `member`, credited up to its first block nobody held (`key`, included): the credit of
         the rest waits, unencoded, for a later prompt that comes with that block before `member`'s events do (a
-        burst with one new prefix). Once they come (the credit of `key` confirmed or lapsed), it is void."""
-        deferred = self._deferred
-        while len(deferred) >= self.deferred_capacity:
+        burst with one new prefix). Once they come (the credit of `key` confirmed or lapsed), it is void. Entries
+        live as long as a credit does, and at most `deferred_capacity` of them (each holds its prompt's text)."""
+        deferred, now = self._deferred, time.monotonic()
+        while deferred and (len(deferred) >= self.deferred_capacity
+                            or next(iter(deferred.values()))[2] < now - self.index.speculative_ttl_s):
             deferred.popitem(last=False)
-        deferred[(size, key)] = (member, prompt)
+        deferred[(size, key)] = (member, prompt, now)
 
     def _complete(self, size: int, key: int) -> bool:
         """Give the credit deferred after the block with this key, if it is still due (encoding that prompt
@@ -134,6 +135,6 @@ class KvAware(Policy):
         entry = self._deferred.pop((size, key), None)
         if entry is None or not self.index.guessed(entry[0], key, size):
             return False
-        member, prompt = entry
+        member, prompt, _ = entry
         self.index.credit(member, prompt.keys(size), size)
         return True
