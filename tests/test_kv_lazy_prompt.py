@@ -189,3 +189,32 @@ def test_a_prompt_held_past_its_first_head_is_read_and_credited_whole(tokenizer:
     keys = prompt.keys(BS)
     assert prompt.cached[a.url] >= len(text) // 4  # the earlier turn's blocks, scored
     assert index.overlap_blocks(keys, BS, [a.url])[a.url] == len(keys)  # the new ones credited at once
+
+
+@pytest.mark.parametrize("template", ["$A", "<|im_start|> $A", "<|im_start|> $A <|im_end|>"])
+def test_a_text_prompt_is_read_lazily_between_the_special_tokens_its_tokenizer_adds(
+        llama_dir: Path, tmp_path: Path, template: str) -> None:
+    """A completion's text prompt: the post-processor's tokens (a BOS, an EOS) around the text's own, read head by
+    head like a chat's; the ids equal the tokenizer's own encoding with special tokens."""
+    from tokenizers import processors
+
+    tokenizer = Tokenizer.from_file(str(llama_dir / "tokenizer.json"))
+    specials = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items()}
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=template, special_tokens=[(name, specials[name]) for name in ("<|im_start|>", "<|im_end|>")
+                                         if name in template])
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    routed = PromptTokenizer(tmp_path / "tokenizer.json")
+    assert routed.framing is not None
+    rng = random.Random(7)
+    index = PrefixIndex()
+    a = instance("http://a:1")
+    index.join(a.url, BS)
+    policy = KvAware(index)
+    for n in range(40):
+        text = f"Unique {n}. " + " ".join(rng.choice(WORDS) for _ in range(rng.randrange(1, 120)))
+        prompt = routed.prompt({"prompt": text})
+        policy.pick([a], prompt=prompt)
+        long = len(text) > 400
+        assert not (long and prompt.exact), "a long new prompt read to its end"
+        assert prompt.tokens == tokenizer.encode(text, add_special_tokens=True).ids

@@ -15,6 +15,7 @@ text for the tokenizer at hand (`cuts_agree`); where it fails, prompts are encod
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from importlib.resources import files
 from typing import Any
 
@@ -27,11 +28,13 @@ _PER_CHAR = 0.3  # ids a character, before any is encoded (only a load estimate 
 class LazyIds:
     """The ids of `text` (without special tokens added around it), encoded head by head through `encoder`."""
 
-    __slots__ = ("ids", "_encoder", "_parts", "_next", "_piece", "_rest", "_head", "_read", "_size")
+    __slots__ = ("ids", "_encoder", "_parts", "_next", "_piece", "_rest", "_head", "_read", "_size", "_suffix")
 
-    def __init__(self, encoder: Any, text: str) -> None:
-        """`encoder`: a PieceEncoder whose cuts agree (`lazy_ok`)."""
-        self.ids: list[int] = []
+    def __init__(self, encoder: Any, text: str, prefix: Sequence[int] = (), suffix: Sequence[int] = ()) -> None:
+        """`encoder`: a PieceEncoder whose cuts agree (`lazy_ok`). `prefix`, `suffix`: ids around the text's own (the
+        special tokens a tokenizer adds to a completion's prompt)."""
+        self.ids: list[int] = list(prefix)
+        self._suffix: Sequence[int] | None = suffix  # None once added
         self._encoder = encoder
         self._parts = encoder.split(text)  # ordinary text and added tokens, alternating
         self._next = 0
@@ -43,7 +46,7 @@ class LazyIds:
 
     @property
     def complete(self) -> bool:
-        return not self._rest and self._next >= len(self._parts)
+        return self._suffix is None
 
     def ensure(self, count: int | None) -> None:
         """At least `count` ids, or all of them (`None`: all); and past them, what costs no encoding (added tokens,
@@ -57,6 +60,9 @@ class LazyIds:
                 continue
             i = self._next
             if i >= len(parts):
+                if self._suffix is not None:
+                    ids.extend(self._suffix)
+                    self._suffix = None
                 return
             part = parts[i]
             if i % 2:
@@ -82,7 +88,7 @@ class LazyIds:
         if self.complete:
             return len(self.ids)
         per_char = len(self.ids) / self._read if self._read else _PER_CHAR
-        return len(self.ids) + round((self._size - self._read) * per_char)
+        return len(self.ids) + round((self._size - self._read) * per_char) + len(self._suffix)
 
     def _encode_head(self, wanted: int | None) -> None:
         """The next head of the piece being read: enough for `wanted` more ids (None: all of it). Heads at least

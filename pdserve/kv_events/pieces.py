@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pdserve.kv_events.lazy_ids import LazyIds, cuts_agree
@@ -55,9 +55,10 @@ class PieceEncoder:
                 out.extend(ids)
         return out
 
-    def lazy(self, text: str) -> LazyIds | None:
-        """`text`'s ids encoded only as far as they are asked for (lazy_ids.py); None where that could differ."""
-        return LazyIds(self, text) if self.lazy_ok else None
+    def lazy(self, text: str, prefix: Sequence[int] = (), suffix: Sequence[int] = ()) -> LazyIds | None:
+        """`text`'s ids encoded only as far as they are asked for (lazy_ids.py), between `prefix` and `suffix`;
+        None where that could differ."""
+        return LazyIds(self, text, prefix, suffix) if self.lazy_ok else None
 
     # -- what LazyIds reads -------------------------------------------------------------------------------
     def split(self, text: str) -> list[str]:

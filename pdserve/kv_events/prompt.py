@@ -21,7 +21,7 @@ from typing import Any
 from pdserve.kv_events.fast_bpe import fast_encoder
 from pdserve.kv_events.index import ROOT_KEY, content_keys
 from pdserve.kv_events.lazy_ids import LazyIds
-from pdserve.kv_events.pieces import PieceEncoder
+from pdserve.kv_events.pieces import SAMPLES, PieceEncoder
 
 _MAX_TOKEN_ID = 2**31 - 1
 
@@ -114,17 +114,21 @@ class PromptTokenizer:
         self.template = _compile(template) if isinstance(template, str) else None
         self.fast = fast_encoder(self.tokenizer)  # tiktoken, where it encodes as the tokenizer does
         self.pieces = PieceEncoder(self.tokenizer, ordinary=self.fast)
+        self.framing = _framing(self.tokenizer, self.pieces) if self.pieces.lazy_ok else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def prompt(self, body: dict[str, Any]) -> RoutedPrompt:
-        """The body's prompt as token ids (None when they cannot be known here); a chat prompt's encoded lazily
-        where the tokenizer allows it (lazy_ids.py)."""
+        """The body's prompt as token ids (None when they cannot be known here); a chat prompt's, and a text
+        prompt's, encoded lazily where the tokenizer allows it (lazy_ids.py)."""
         try:
-            if "messages" in body and body.get("prompt") is None and self.pieces.lazy_ok:
+            prompt = body.get("prompt")
+            if "messages" in body and prompt is None and self.pieces.lazy_ok:
                 text = self.render_chat(body)
                 return RoutedPrompt(None, self.pieces.lazy(text) if text else None)
+            if isinstance(prompt, str) and prompt and self.framing is not None:
+                return RoutedPrompt(None, self.pieces.lazy(prompt, *self.framing))
             tokens = self._tokens(body)
         except Exception:  # noqa: BLE001 - a template error is the instance's to report; routing goes on
             return RoutedPrompt(None)
@@ -168,6 +172,21 @@ def token_ids(prompt: Any) -> list[int] | None:
     if isinstance(prompt, list) and prompt and all(type(t) is int and 0 <= t <= _MAX_TOKEN_ID for t in prompt):
         return prompt
     return None
+
+
+def _framing(tokenizer: Any, pieces: PieceEncoder) -> tuple[list[int], list[int]] | None:
+    """The special tokens the tokenizer adds before and after a completion's prompt (its post-processor's: a BOS,
+    say), where they are the same whatever the text; None where they are not (the prompt is then encoded whole)."""
+    bare = tokenizer.encode("x", add_special_tokens=False).ids
+    full = tokenizer.encode("x", add_special_tokens=True).ids
+    starts = [i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare]
+    if len(starts) != 1:
+        return None
+    prefix, suffix = full[:starts[0]], full[starts[0] + len(bare):]
+    for text in (*SAMPLES, "It's 3 o'clock", " <|im_start|>x", "東京"):
+        if prefix + pieces.encode(text) + suffix != tokenizer.encode(text, add_special_tokens=True).ids:
+            return None
+    return prefix, suffix
 
 
 def _compile(template: str) -> Any:
