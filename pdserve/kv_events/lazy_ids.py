@@ -26,7 +26,8 @@ _PER_CHAR = 0.3  # ids a character, before any is encoded (only a load estimate 
 
 
 class LazyIds:
-    """The ids of `text` (without special tokens added around it), encoded head by head through `encoder`."""
+    """The ids of `text`, between the special tokens given to go around it, encoded head by head through
+    `encoder`."""
 
     __slots__ = ("ids", "_encoder", "_parts", "_next", "_piece", "_rest", "_head", "_read", "_size", "_suffix")
 
