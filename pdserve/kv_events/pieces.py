@@ -17,8 +17,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pdserve.kv_events.lazy_ids import LazyIds, cuts_agree
+from pdserve.modelgen.tokenizer import corpus_text
 
 SAMPLES = ("Hello there!\n How are you?  ", " leading space", "tabs\tand\n\nnew lines ", "x")
+
+
+def corpus() -> str:
+    """Varied prose in many scripts, for the tokenizer self-tests: the start of the packaged corpus."""
+    return corpus_text()[:20_000]
 
 
 class PieceEncoder:
@@ -35,7 +41,7 @@ class PieceEncoder:
             if added else None
         self._memory: OrderedDict[str, list[int]] = OrderedDict()
         self.enabled = exact and self._split is not None and self._self_test()
-        self.lazy_ok = self.enabled and cuts_agree(self._ordinary)
+        self.lazy_ok = self.enabled and cuts_agree(self._ordinary, corpus())
 
     def encode(self, text: str) -> list[int]:
         """`text`'s ids without special tokens added around it (the chat template placed them)."""

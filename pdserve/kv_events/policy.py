@@ -105,10 +105,10 @@ class KvAware(Policy):
         unknown, no instance's cached run goes past it, and the rest is not encoded (a prompt that shares nothing
         with any cache, behind a template or not). Otherwise it is read whole, as a prompt whose ids came known."""
         if not prompt.exact:
-            head = prompt.head_keys(size, 1)  # (the prompt's own list of keys, grown by each call)
+            head = prompt.head_keys(size, 1)
             done = self.index.known_run(head, 0, size)
             if done == len(head) and not prompt.exact:  # all known so far: a head of the next new piece too
-                prompt.head_keys(size, len(head) + 2)
+                head = prompt.head_keys(size, len(head) + 2)
                 done += self.index.known_run(head, done, size)
             if done < len(head) and not prompt.exact and not (done and self._complete(size, head[done - 1])):
                 return head[:done], head[done]

@@ -64,10 +64,7 @@ class RoutedPrompt:
 
     def keys(self, block_size: int) -> list[int]:
         """Content keys of the prompt's whole blocks; the last token is never a hit (an engine computes it)."""
-        tokens = self.tokens
-        if tokens is None or block_size < 1:
-            return []
-        return self._extend(block_size, tokens, (len(tokens) - 1) // block_size)
+        return self._keyed(block_size, self.tokens)
 
     def head_keys(self, block_size: int, count: int) -> list[int]:
         """Keys of at least the first `count` blocks where it has them (fewer: it has no more), encoding only as
@@ -75,19 +72,19 @@ class RoutedPrompt:
         keys = self._keys.get(block_size)
         if keys is not None and len(keys) >= count:
             return keys
-        if self._lazy is not None:
-            self._lazy.ensure(count * block_size + 1)  # the blocks, and the token after them (never a hit)
-            tokens = self._lazy.ids
-        else:
-            tokens = self._tokens
+        if self._lazy is None:
+            return self._keyed(block_size, self._tokens)
+        self._lazy.ensure(count * block_size + 1)  # the blocks, and the token after them (never a hit)
+        return self._keyed(block_size, self._lazy.ids)
+
+    def _keyed(self, block_size: int, tokens: list[int] | None) -> list[int]:
+        """The keys of every whole block of `tokens` (the ids known so far) before its last token, computed once:
+        each call keys only the blocks new since the last."""
         if tokens is None or block_size < 1:
             return []
-        return self._extend(block_size, tokens, (len(tokens) - 1) // block_size)
-
-    def _extend(self, block_size: int, tokens: list[int], count: int) -> list[int]:
         keys = self._keys.setdefault(block_size, [])
-        if len(keys) < count:
-            first = len(keys)
+        count, first = (len(tokens) - 1) // block_size, len(keys)
+        if first < count:
             keys += content_keys(array("I", tokens[first * block_size:count * block_size]), block_size,
                                  seed=keys[-1] if keys else ROOT_KEY)
         return keys
