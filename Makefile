@@ -14,7 +14,7 @@ unexport PYTHONDONTWRITEBYTECODE
 .PHONY: demo test bench install native live vllm-venv peers clean
 
 $(STAMP): pyproject.toml requirements/constraints.txt scripts/install_mooncake.sh scripts/install_etcd.sh \
-		scripts/install_redis.sh
+		scripts/install_redis.sh scripts/install_xxhash.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch is pinned by the constraints file so pip takes the CPU wheel, never the CUDA stack.
@@ -27,15 +27,19 @@ $(STAMP): pyproject.toml requirements/constraints.txt scripts/install_mooncake.s
 	scripts/install_etcd.sh
 	# Redis's server for the KV store tier's tests and benchmark (Debian's redis-server), where missing.
 	scripts/install_redis.sh
+	# xxHash's C header for the prefix index's C core (Debian's libxxhash-dev), where missing.
+	scripts/install_xxhash.sh
 	touch $(STAMP)
 
 install: $(STAMP) native
 
-# The C++ decode attention, compiled once into a per-machine cache (~10 s cold, nothing when cached). Servers only
-# load it; without it (no compiler) they fall back to the plain-torch path, and tests/test_native_attention.py
-# fails in CI.
+# The C++ decode attention, compiled once into a per-machine cache (~10 s cold, nothing when cached), and the
+# gateway's prefix index core in C (~2 s). Servers only load them; without them (no compiler, no xxhash.h) they
+# fall back to the plain-torch path and the Python index, and tests/test_native_attention.py and
+# tests/test_kv_index_native.py fail in CI.
 native: $(STAMP)
 	-$(PY) -m pdserve.native
+	-$(PY) -m pdserve.kv_events.native
 
 demo: install
 	$(PY) scripts/demo.py

@@ -10,10 +10,17 @@ event loop doing a little Python work every few milliseconds (the gateway's requ
 * `thread`: `Listener.start()`, the listener's own thread woken by each batch (main before the change);
 * `loop`: `Listener.attach(loop)`, live batches read at the picks and on the listener's timer.
 
-CPU is the process's (all threads, /proc schedstat), over the same seconds of publishing; modes interleave in each
-round. Measured through the listener's public calls; nothing in it is patched.
+Each mode runs with the index's C core where this machine has built it; `-python` after a mode runs it with the
+Python core (`PrefixIndex(native_core=False)`), so the two cores are compared in the same rounds.
 
-    .venv/bin/python bench/kv_listener_cpu.py --rounds 3 --seconds 15
+CPU is the process's (all threads, /proc schedstat), over the same seconds of publishing, less the `none` run's of
+the same round; modes interleave in each round. On a shared 2-vCPU box that difference moves by more than the
+listener costs, so the picks' own CPU is reported beside it: the thread CPU time spent in `catch_up` (reading,
+decoding and applying what came since the last pick) per batch, and ZMQ's I/O thread's (receiving them), both
+measured in this process without the baseline's subtraction. Measured through the listener's public calls;
+nothing in it is patched.
+
+    .venv/bin/python bench/kv_listener_cpu.py --rounds 3 --seconds 15 --modes loop,loop-python
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import time
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
-from proc_cpu import sched_seconds  # noqa: E402
+from proc_cpu import sched_seconds, thread_seconds  # noqa: E402
 
 from pdserve.kv_events.config import KVEventsConfig  # noqa: E402
 from pdserve.kv_events.index import PrefixIndex  # noqa: E402
@@ -69,10 +76,11 @@ def publish(folder: str, period_s: float, seconds: float, ready: mp.Queue, go: m
         p.close()
 
 
-async def gateway_like(mode: str, addresses: list, seconds: float, go: mp.Event) -> tuple[int, float]:
-    """(batches applied, CPU seconds) while the publishers send."""
-    listener = Listener(PrefixIndex())
-    if mode == "thread":
+async def gateway_like(mode: str, addresses: list, seconds: float, go: mp.Event) -> tuple[int, float, float, float]:
+    """(batches applied, CPU seconds of the process, of the picks' `catch_up` and of ZMQ's I/O threads) while the
+    publishers send."""
+    listener = Listener(PrefixIndex(native_core=False if mode.endswith("-python") else None))
+    if mode.startswith("thread"):
         listener.start()
     else:
         listener.attach(asyncio.get_running_loop())
@@ -86,23 +94,36 @@ async def gateway_like(mode: str, addresses: list, seconds: float, go: mp.Event)
             sum(j * j for j in range(1500))
             await asyncio.sleep(0.004)
 
+    picking = [0.0]
+
     async def picks() -> None:
         while not stop.is_set():
+            start = time.thread_time()
             listener.catch_up()
+            picking[0] += time.thread_time() - start
             await asyncio.sleep(0.04)
 
     tasks = [asyncio.create_task(requests()), asyncio.create_task(picks())]
     batches0, cpu0 = sum(c.batches for _, c in listener.snapshot().values()), sched_seconds(os.getpid())
+    io0, picking[0] = zmq_io_seconds(), 0.0
     go.set()
     await asyncio.sleep(seconds + 0.5)
     batches, cpu = sum(c.batches for _, c in listener.snapshot().values()) - batches0, sched_seconds(os.getpid()) - cpu0
+    io, picked = zmq_io_seconds() - io0, picking[0]
     stop.set()
     await asyncio.gather(*tasks)
     listener.stop()
-    return batches, cpu
+    return batches, cpu, picked, io
 
 
-def one(mode: str, seconds: float, period_s: float) -> tuple[int, float]:
+def zmq_io_seconds() -> float:
+    """CPU seconds of this process's ZMQ I/O threads (named ZMQbg/IO/n)."""
+    own = os.getpid()
+    return sum(seconds for tid, seconds in thread_seconds(own).items()
+               if Path(f"/proc/{own}/task/{tid}/comm").read_text().startswith("ZMQbg/IO"))
+
+
+def one(mode: str, seconds: float, period_s: float) -> tuple[int, float, float, float]:
     import uvloop
 
     with tempfile.TemporaryDirectory() as folder:
@@ -120,18 +141,29 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=float, default=15.0)
     p.add_argument("--period-ms", type=float, default=20.0, help="mean time between two batches (of any publisher)")
+    p.add_argument("--modes", default="thread,loop", help="comma-separated: thread, loop, thread-python, loop-python")
     args = p.parse_args()
-    per_batch: dict[str, list[float]] = {"thread": [], "loop": []}
+    modes = args.modes.split(",")
+    per_batch: dict[str, list[float]] = {mode: [] for mode in modes}
+    picks: dict[str, list[float]] = {mode: [] for mode in modes}
     for rnd in range(args.rounds):
-        _, base_cpu = one("none", args.seconds, args.period_ms / 1000)
-        for mode in ("thread", "loop") if rnd % 2 == 0 else ("loop", "thread"):
-            batches, cpu = one(mode, args.seconds, args.period_ms / 1000)
-            per_batch[mode].append((cpu - base_cpu) / max(batches, 1) * 1e6)
-            print(f"round {rnd} {mode:6s} {batches} batches, CPU {cpu:.3f} s (baseline {base_cpu:.3f} s): "
-                  f"{per_batch[mode][-1]:.0f} us per batch", flush=True)
-    for mode, values in per_batch.items():
-        print(f"{mode}: median {sorted(values)[len(values) // 2]:.0f} us per batch "
-              f"({', '.join(f'{v:.0f}' for v in values)})")
+        _, base_cpu, _, _ = one("none", args.seconds, args.period_ms / 1000)
+        for mode in modes if rnd % 2 == 0 else modes[::-1]:
+            batches, cpu, picked, io = one(mode, args.seconds, args.period_ms / 1000)
+            n = max(batches, 1)
+            per_batch[mode].append((cpu - base_cpu) / n * 1e6)
+            picks[mode].append((picked + io) / n * 1e6)
+            print(f"round {rnd} {mode:13s} {batches} batches, CPU {cpu:.3f} s (baseline {base_cpu:.3f} s): "
+                  f"{per_batch[mode][-1]:.0f} us per batch; picks {picked / n * 1e6:.0f} + ZMQ I/O {io / n * 1e6:.0f} "
+                  f"us per batch", flush=True)
+    for mode in modes:
+        print(f"{mode}: median {median(per_batch[mode]):.0f} us per batch "
+              f"({', '.join(f'{v:.0f}' for v in per_batch[mode])}); picks + ZMQ I/O median {median(picks[mode]):.0f} "
+              f"({', '.join(f'{v:.0f}' for v in picks[mode])})")
+
+
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
 
 if __name__ == "__main__":

@@ -3,17 +3,30 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import msgspec
 import pytest
 
+from pdserve.kv_events import index as index_module
+from pdserve.kv_events import native
 from pdserve.kv_events.config import PublisherAddress, parse_address, parse_config
 from pdserve.kv_events.index import PrefixIndex, content_keys
 from pdserve.kv_events.wire import (AllBlocksCleared, BlockRemoved, BlockStored, EventDecodeError, KVEventBatch,
                                    decode_batch, encode_batch)
 
 BS = 4
+
+
+@pytest.fixture(autouse=True, params=["c_core", "python_core"])
+def index_core(request, monkeypatch):
+    """Every test runs with each of the index's cores (tests/test_kv_index_native.py holds them to each other)."""
+    if request.param == "python_core":
+        monkeypatch.setattr(index_module, "_native_core", lambda: None)
+    elif native.load() is None and os.environ.get("CI") != "true":
+        pytest.skip("the C core is not built here")
+    return request.param
 
 
 def stored(hashes, parent, tokens, bs=BS, medium="GPU"):

@@ -316,7 +316,7 @@ def test_the_listener_builds_the_index_its_batches_build_applied_directly(ipc, l
         for events in steps[300:]:
             publisher.publish(events)
         wait_for(lambda: listener.snapshot()["p"][1].batches == 400, what="every batch applied")
-        lru = [[(entry.member, entry.ekey) for entry in i._lru] for i in (index, reference)]
+        lru = [i.lru_items() for i in (index, reference)]
         assert index._holders == reference._holders and lru[0] == lru[1]
         assert index.stats.events == reference.stats.events and index.stats.orphans == reference.stats.orphans
     finally:

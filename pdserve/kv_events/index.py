@@ -19,25 +19,30 @@ then (a routing miss at worst: the instance prefills what it does not find). The
 before the instance's events say so) live apart, for `speculative_ttl_s` or until an event confirms them.
 Every method takes the index's lock: a listener in a thread of its own writes while the event loop scores (in the
 gateway both run in the loop, and the lock is never contended).
+
+What routing reads (the holders and the credits) are dicts of this class; what only applying events reads (each
+instance's entries by engine hash, the LRU) is a core's: the C core (`pdserve/kv_events/native`) where this
+machine has built it, else the Python one (`index_core.py`), which it is tested against. Applying a batch was
+most of what `kv_aware` cost the gateway beyond `round_robin` (docs/benchmarks.md, section 14).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from array import array
-from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from xxhash import xxh3_64_intdigest
 
-from pdserve.kv_events.wire import MEDIUM_DEVICE, MEDIUM_STORAGE, AllBlocksCleared, BlockRemoved, BlockStored, \
-    EngineHash, Event, engine_key
+from pdserve.kv_events import native
+from pdserve.kv_events.index_core import ROOT_KEY, PyCore
+from pdserve.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, Event
 
-_U64 = (1 << 64) - 1
+log = logging.getLogger(__name__)
 
-ROOT_KEY = 1337  # the chain's seed (Dynamo seeds its block hashes with it too)
 STORE_PREFIX = "store:"  # a shared store's member name: the prefix, then the identity its instances announced
 
 
@@ -57,27 +62,11 @@ def content_keys(token_ids: list[int] | array, block_size: int, limit: int | Non
     return keys
 
 
-@dataclass(slots=True, eq=False)
-class _Entry:
-    """One (member, engine hash) entry; the LRU holds the entries themselves (hashed by identity, not by a tuple of
-    member and hash built for every block stored and removed)."""
-
-    key: int
-    block_size: int
-    member: str
-    ekey: EngineHash
-    device: int = 0  # copies in the engine's own cache
-    offload: int = 0  # copies in other tiers
-
-
 @dataclass(eq=False)
 class _Member:
-    blocks: dict[EngineHash, _Entry] = field(default_factory=dict)
+    id: int  # the core's name for it
     block_size: int = 0  # of its latest BlockStored: what its prompts are scored in
     speculative: dict[tuple[int, int], float] = field(default_factory=dict)  # (block size, key) -> expiry
-    # Entries per content key: an engine may hold the same tokens under two hashes (another cache salt or LoRA
-    # adapter), and stays a holder of that content until the last of them goes.
-    entries_of: dict[tuple[int, int], int] = field(default_factory=dict)
     store: str | None = None  # the member name of the shared store it reads and writes, if it announced one
 
 
@@ -89,50 +78,66 @@ class IndexStats:
     cleared: int = 0  # instances cleared (AllBlocksCleared, restart, loss, departure)
 
 
+def _native_core() -> type | None:
+    try:
+        module = native.load()
+    except ImportError as exc:  # built for another Python, or damaged: the Python core serves
+        log.warning("the KV index's C core does not load (%s): using the Python core", exc)
+        return None
+    return module.Core if module is not None else None
+
+
 class PrefixIndex:
-    def __init__(self, capacity: int = 1_000_000, offload_weight: float = 0.75, speculative_ttl_s: float = 10.0
-                 ) -> None:
+    def __init__(self, capacity: int = 1_000_000, offload_weight: float = 0.75, speculative_ttl_s: float = 10.0,
+                 native_core: bool | None = None) -> None:
+        """`native_core`: apply events with the C core (None: when this machine has built it)."""
         self.capacity = capacity
         self.offload_weight = offload_weight
         self.speculative_ttl_s = speculative_ttl_s
-        self.stats = IndexStats()
+        self._stats = IndexStats()
         self._lock = threading.Lock()
         self._members: dict[str, _Member] = {}
         # block size -> content key -> {member: credit per block (1, or offload_weight)}
         self._holders: dict[int, dict[int, dict[str, float]]] = {}
-        self._lru: OrderedDict[_Entry, None] = OrderedDict()
         self._speculative: dict[int, dict[int, dict[str, float]]] = {}  # block size -> key -> {member: expiry}
+        core = _native_core() if native_core is not False else None
+        if native_core and core is None:
+            raise RuntimeError("the KV index's C core is not built here (python -m pdserve.kv_events.native)")
+        self.native = core is not None
+        self._core = (core or PyCore)(self._holders, self._speculative, capacity, offload_weight, BlockStored,
+                                      BlockRemoved, AllBlocksCleared)
+
+    @property
+    def stats(self) -> IndexStats:
+        with self._lock:
+            _, self._stats.orphans, self._stats.evicted = self._core.counters()
+            return self._stats
 
     # -- what the listener applies ----------------------------------------------------------------------
-    def apply(self, member: str, events: Iterable[Event]) -> None:
+    def apply(self, member: str, events: Sequence[Event]) -> None:
         with self._lock:
             state = self._member(member)
             store = self._member(state.store) if state.store is not None else None
-            removed = stored = cleared = 0  # counted per batch: an engine sends one BlockRemoved per evicted block
-            try:
-                for event in events:
-                    if isinstance(event, AllBlocksCleared):  # the engine's cache; a store it writes keeps its blocks
-                        cleared += 1
-                        self._clear(member, state)
-                        continue
-                    to_store = store is not None and event.medium == MEDIUM_STORAGE
-                    who, where = (state.store, store) if to_store else (member, state)
-                    if isinstance(event, BlockRemoved):
-                        removed += 1
-                        self._removed(who, where, event.block_hashes, event.medium)
-                    elif isinstance(event, BlockStored):
-                        stored += 1
-                        self._stored(who, where, event)
-            finally:
-                counts = self.stats.events
-                for name, n in (("BlockStored", stored), ("BlockRemoved", removed), ("AllBlocksCleared", cleared)):
-                    if n:
-                        counts[name] = counts.get(name, 0) + n
+            # counted per batch: an engine sends one BlockRemoved per evicted block
+            stored, removed, cleared, bs, store_bs = self._core.apply(
+                events, state.id, state.speculative, -1 if store is None else store.id,
+                None if store is None else store.speculative)
+            if bs:
+                state.block_size = bs
+            if store_bs:
+                store.block_size = store_bs
+            if cleared:  # the core forgot the entries; the credits are the index's
+                self._stats.cleared += cleared
+                self._drop_guesses(member, state)
+            counts = self._stats.events
+            for name, n in (("BlockStored", stored), ("BlockRemoved", removed), ("AllBlocksCleared", cleared)):
+                if n:
+                    counts[name] = counts.get(name, 0) + n
 
     def _member(self, name: str) -> _Member:
-        state = self._members.get(name)  # not setdefault: it would build a _Member (three dicts) for every batch
+        state = self._members.get(name)  # not setdefault: it would build a _Member for every batch
         if state is None:
-            state = self._members[name] = _Member()
+            state = self._members[name] = _Member(self._core.add_member(name))
         return state
 
     def join(self, member: str, block_size: int | None = None, store: str | None = None) -> None:
@@ -164,111 +169,12 @@ class PrefixIndex:
                 if store is not None:
                     self._clear(state.store, store)
 
-    def _stored(self, member: str, state: _Member, event: BlockStored) -> None:
-        bs = event.block_size
-        device = event.medium in (None, MEDIUM_DEVICE)
-        if not event.token_ids:  # a tier announcing blocks it took over: only hashes the index already knows
-            for block_hash in event.block_hashes:
-                entry = state.blocks.get(engine_key(block_hash))
-                if entry is not None:
-                    self._add_copy(member, engine_key(block_hash), entry, device)
-            return
-        if len(event.token_ids) != bs * len(event.block_hashes) or bs < 1:
-            self.stats.orphans += len(event.block_hashes)
-            return
-        parent_key = ROOT_KEY
-        if event.parent_block_hash is not None:
-            parent = state.blocks.get(engine_key(event.parent_block_hash))
-            if parent is None or parent.block_size != bs:
-                self.stats.orphans += len(event.block_hashes)
-                return
-            parent_key = parent.key
-        try:
-            data = memoryview(array("I", event.token_ids)).cast("B")
-        except OverflowError:  # no token id of any vocabulary
-            self.stats.orphans += len(event.block_hashes)
-            return
-        state.block_size = bs
-        step = bs * 4
-        blocks, guesses = state.blocks, state.speculative
-        for i, block_hash in enumerate(event.block_hashes):  # the hot loop of event handling: kept flat
-            parent_key = xxh3_64_intdigest(data[i * step:(i + 1) * step], parent_key)
-            ekey = block_hash & _U64 if type(block_hash) is int else bytes(block_hash)
-            entry = blocks.get(ekey)
-            if entry is None or entry.key != parent_key:
-                if entry is not None:
-                    self._forget(member, state, ekey)
-                entry = blocks[ekey] = _Entry(parent_key, bs, member, ekey)
-                state.entries_of[(bs, parent_key)] = state.entries_of.get((bs, parent_key), 0) + 1
-            self._add_copy(member, ekey, entry, device, trim=False)
-            if guesses and guesses.pop((bs, parent_key), None) is not None:
-                self._unguess(member, bs, parent_key)
-        self._trim()
-
-    def _add_copy(self, member: str, ekey: EngineHash, entry: _Entry, device: bool, trim: bool = True) -> None:
-        if device:
-            entry.device += 1
-        else:
-            entry.offload += 1
-        by_key = self._holders.get(entry.block_size)
-        if by_key is None:
-            by_key = self._holders[entry.block_size] = {}
-        holders = by_key.get(entry.key)
-        if holders is None:
-            holders = by_key[entry.key] = {}
-        holders[member] = 1.0 if entry.device else self.offload_weight
-        if entry in self._lru:
-            self._lru.move_to_end(entry)
-        else:
-            self._lru[entry] = None
-        if trim:
-            self._trim()
-
-    def _trim(self) -> None:
-        while len(self._lru) > self.capacity:
-            oldest, _ = self._lru.popitem(last=False)
-            self.stats.evicted += 1
-            self._forget(oldest.member, self._members[oldest.member], oldest.ekey, in_lru=False)
-
-    def _removed(self, member: str, state: _Member, hashes: list[EngineHash], medium: str | None) -> None:
-        device = medium in (None, MEDIUM_DEVICE)
-        blocks = state.blocks
-        for block_hash in hashes:
-            ekey = block_hash & _U64 if type(block_hash) is int else bytes(block_hash)  # engine_key, inline
-            entry = blocks.get(ekey)
-            if entry is None:
-                continue
-            if device:
-                if entry.device:
-                    entry.device -= 1
-            elif entry.offload:
-                entry.offload -= 1
-            if entry.device or entry.offload:
-                holders = self._holders.setdefault(entry.block_size, {}).setdefault(entry.key, {})
-                holders[member] = 1.0 if entry.device else self.offload_weight
-            else:
-                self._forget(member, state, ekey)
-
-    def _forget(self, member: str, state: _Member, ekey: EngineHash, in_lru: bool = True) -> None:
-        entry = state.blocks.pop(ekey)
-        if in_lru:
-            self._lru.pop(entry, None)
-        content = (entry.block_size, entry.key)
-        left = state.entries_of.pop(content) - 1
-        if left:
-            state.entries_of[content] = left
-            return  # another of its entries holds these tokens: it still holds them
-        by_key = self._holders.get(entry.block_size)
-        holders = by_key.get(entry.key) if by_key is not None else None
-        if holders is not None:
-            holders.pop(member, None)
-            if not holders:
-                del by_key[entry.key]
-
     def _clear(self, member: str, state: _Member) -> None:
-        self.stats.cleared += 1
-        for ekey in list(state.blocks):
-            self._forget(member, state, ekey)
+        self._stats.cleared += 1
+        self._core.forget_member(state.id)
+        self._drop_guesses(member, state)
+
+    def _drop_guesses(self, member: str, state: _Member) -> None:
         for bs, key in state.speculative:
             self._unguess(member, bs, key)
         state.speculative.clear()
@@ -362,7 +268,13 @@ class PrefixIndex:
 
     def held_blocks(self) -> dict[str, int]:
         with self._lock:
-            return {member: len(state.blocks) for member, state in self._members.items()}
+            return {member: self._core.held(state.id) for member, state in self._members.items()}
 
     def size(self) -> int:
-        return len(self._lru)
+        with self._lock:
+            return self._core.counters()[0]
+
+    def lru_items(self) -> list[tuple[str, EngineHash]]:
+        """Every entry as (member, engine hash), oldest first (the C core folds a digest to 64 bits)."""
+        with self._lock:
+            return self._core.lru_items()

@@ -34,13 +34,13 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from pdserve.kv_events.config import PublisherAddress
 from pdserve.kv_events.index import PrefixIndex
+from pdserve.kv_events.subscription import Counters, Subscription
 from pdserve.kv_events.wire import EventDecodeError, decode_batch
 
 log = logging.getLogger(__name__)
@@ -58,33 +58,6 @@ _LOOP_TICK_S = 1.0
 _POLLIN = int(zmq.POLLIN)
 
 
-@dataclass
-class Counters:
-    gaps: int = 0
-    replays: int = 0
-    restarts: int = 0
-    decode_errors: int = 0
-    batches: int = 0
-    disconnects: int = 0
-
-
-@dataclass(eq=False)
-class _Subscription:
-    member: str
-    address: PublisherAddress
-    sub: zmq.Socket
-    monitor: zmq.Socket
-    dealer: zmq.Socket | None = None
-    answered: bool = False  # the dealer's last request has had its end marker: it can carry the next one
-    state: str = "connecting"  # connecting, replaying, live, degraded
-    hole: bool = False  # the running replay skipped some batches: the rest of it is ignored and it is asked again
-    replayed: int = 0  # batches the running replay brought
-    next_seq: int | None = None  # the next live batch expected
-    held: list[tuple[int, bytes]] = field(default_factory=list)  # live batches received during a replay
-    deadline: float = 0.0  # of the running replay, or when a degraded instance tries again
-    counters: Counters = field(default_factory=Counters)
-
-
 class Listener:
     def __init__(self, index: PrefixIndex, replay_timeout_s: float = 5.0, retry_s: float = 2.0,
                  rcvhwm: int = 100_000, idle_replay_s: float = 30.0) -> None:
@@ -95,9 +68,10 @@ class Listener:
         self.rcvhwm = rcvhwm
         self._ctx = zmq.Context()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._subs: dict[str, _Subscription] = {}
-        self._by_socket: dict[zmq.Socket, tuple[_Subscription, str]] = {}
+        self._subs: dict[str, Subscription] = {}
+        self._by_socket: dict[zmq.Socket, tuple[Subscription, str]] = {}
         self._poller = zmq.Poller()
+        self._live: list[tuple[zmq.Socket, int]] | None = None  # what a pick polls: every subscription's SUB
         # set_members wakes the thread through an inproc pair (the caller's end is used from one thread only).
         self._wake_rx = self._ctx.socket(zmq.PAIR)
         self._wake_rx.bind(f"inproc://kv-listener-{id(self)}")
@@ -138,10 +112,13 @@ class Listener:
         self._ctx.destroy(linger=0)
 
     def catch_up(self) -> None:
-        """Apply the live batches received so far (in a loop; a listener in its own thread reads them itself)."""
-        if self._loop is not None:
-            for sub in list(self._subs.values()):
-                self._read_live(sub)
+        """Apply the live batches received so far (in a loop; a listener in its own thread reads them itself). One
+        poll asks every subscription at once: a pick that found nothing new cost a call per instance before."""
+        if self._loop is not None and not self._stopping.is_set():
+            if self._live is None:
+                self._live = [(sub.sub, _POLLIN) for sub in self._subs.values()]
+            for sock, _ in zmq.zmq_poll(self._live, 0):
+                self._read_live(self._by_socket[sock][0], ready=True)
 
     def set_members(self, members: dict[str, PublisherAddress]) -> None:
         """The instances that publish and where; the listener subscribes, resubscribes and drops to match."""
@@ -170,7 +147,7 @@ class Listener:
             for sock, _ in self._poller.poll(wait_ms):
                 owner = self._by_socket.get(sock)
                 if owner is not None:
-                    self._dispatch(*owner)
+                    self._dispatch(*owner, ready=True)
                 elif sock is self._wake_rx:
                     while self._wake_rx.poll(0):
                         self._wake_rx.recv()
@@ -193,10 +170,10 @@ class Listener:
         self.catch_up()
         self._timer = self._loop.call_later(self._on_time(_LOOP_TICK_S), self._tick)
 
-    def _read_live(self, sub: _Subscription) -> None:
+    def _read_live(self, sub: Subscription, ready: bool = False) -> None:
         if self._stopping.is_set() or self._subs.get(sub.member) is not sub:  # a pick while stopping; a member gone
             return
-        if self._dispatch(sub, "sub"):
+        if self._dispatch(sub, "sub", ready):
             self._loop.call_soon(self._read_live, sub)  # past the budget: the rest in the next turn
 
     def _read_in_loop(self, sock: zmq.Socket) -> None:
@@ -210,11 +187,12 @@ class Listener:
         if owner is not None and self._dispatch(*owner):
             self._loop.call_soon(self._readable, sock)  # past the budget: the rest in the next turn
 
-    def _dispatch(self, sub: _Subscription, role: str) -> bool:
-        """Read what waits on the socket, up to the budget; whether more may wait."""
+    def _dispatch(self, sub: Subscription, role: str, ready: bool = False) -> bool:
+        """Read what waits on the socket, up to the budget (`ready`: a poll just saw a message); whether more may
+        wait."""
         try:
             if role == "sub":
-                return self._drain_live(sub)
+                return self._drain_live(sub, ready)
             if role == "monitor":
                 self._drain_monitor(sub)
                 return False
@@ -250,12 +228,13 @@ class Listener:
                         address.endpoint, exc)
             return
         sock.subscribe(address.topic.encode())
-        sub = self._subs[member] = _Subscription(member, address, sock, monitor)
+        sub = self._subs[member] = Subscription(member, address, sock, monitor)
+        self._live = None
         self._watch(sub, sock, "sub")
         self._watch(sub, monitor, "monitor")
         log.info("subscribed to the KV events of %s at %s", member, address.endpoint)
 
-    def _watch(self, sub: _Subscription, sock: zmq.Socket, role: str) -> None:
+    def _watch(self, sub: Subscription, sock: zmq.Socket, role: str) -> None:
         self._poller.register(sock, zmq.POLLIN)
         self._by_socket[sock] = (sub, role)
         if self._loop is not None and role != "sub":
@@ -270,14 +249,15 @@ class Listener:
             self._loop.remove_reader(sock.FD)
         sock.close(linger=0)
 
-    def _close(self, sub: _Subscription) -> None:
+    def _close(self, sub: Subscription) -> None:
+        self._live = None
         self._unwatch(sub.dealer)
         sub.sub.disable_monitor()
         self._unwatch(sub.monitor)
         self._unwatch(sub.sub)
 
     # -- connection --------------------------------------------------------------------------------------
-    def _drain_monitor(self, sub: _Subscription) -> None:
+    def _drain_monitor(self, sub: Subscription) -> None:
         while sub.monitor.poll(0):
             event = recv_monitor_message(sub.monitor)["event"]
             if event == zmq.EVENT_CONNECTED:
@@ -287,7 +267,7 @@ class Listener:
                 log.warning("lost the KV events of %s: scoring it by load until it is back", sub.member)
                 self._degrade(sub, retry=False)
 
-    def _degrade(self, sub: _Subscription, retry: bool) -> None:
+    def _degrade(self, sub: Subscription, retry: bool) -> None:
         """Drop the instance's entries and score it by load. Either way it is asked again after `retry_s`: after a
         disconnect ZMQ redials by itself, but the monitor's CONNECTED for that redial is not always seen (a
         subscriber that stalled past its high-water mark was seen waiting for it over 60 s), so recovery never
@@ -300,7 +280,7 @@ class Listener:
         sub.held.clear()
         sub.deadline = time.monotonic() + self.retry_s
 
-    def _on_deadline(self, sub: _Subscription) -> None:
+    def _on_deadline(self, sub: Subscription) -> None:
         if sub.state == "live":  # quiet for a while: ask for anything after the last batch
             self._start_replay(sub, sub.next_seq or 0, clear=False, counted=False)
         elif sub.state == "replaying":
@@ -311,7 +291,7 @@ class Listener:
             self._start_replay(sub, 0, clear=True)
 
     # -- replay ------------------------------------------------------------------------------------------
-    def _start_replay(self, sub: _Subscription, start: int, clear: bool, counted: bool = True) -> None:
+    def _start_replay(self, sub: Subscription, start: int, clear: bool, counted: bool = True) -> None:
         if clear:
             self.index.clear(sub.member)
             sub.next_seq = None
@@ -339,7 +319,7 @@ class Listener:
         sub.state, sub.hole, sub.replayed = "replaying", False, 0
         sub.deadline = time.monotonic() + self.replay_timeout_s
 
-    def _drain_replay(self, sub: _Subscription) -> bool:
+    def _drain_replay(self, sub: Subscription) -> bool:
         for _ in range(_BUDGET):
             if sub.dealer is None or not sub.dealer.poll(0):
                 return False
@@ -369,7 +349,7 @@ class Listener:
                 self._apply(sub, seq, frames[-1])
         return True
 
-    def _end_replay(self, sub: _Subscription) -> None:
+    def _end_replay(self, sub: Subscription) -> None:
         sub.state = "live"
         self._quiet_from_now(sub)
         held, sub.held = sub.held, []
@@ -382,11 +362,11 @@ class Listener:
                 return
 
     # -- live batches ------------------------------------------------------------------------------------
-    def _drain_live(self, sub: _Subscription) -> bool:
+    def _drain_live(self, sub: Subscription, ready: bool) -> bool:
         # The socket is asked whether a message waits rather than left to fail a receive: pyzmq builds an exception
         # (its errno turned into an enum, its message looked up) for every failed receive, once per batch here.
-        for _ in range(_BUDGET):
-            if not sub.sub.getsockopt(zmq.EVENTS) & _POLLIN:
+        for n in range(_BUDGET):
+            if (n or not ready) and not sub.sub.getsockopt(zmq.EVENTS) & _POLLIN:
                 return False
             frames = sub.sub.recv_multipart(zmq.NOBLOCK)
             if len(frames) != 3 or len(frames[1]) != 8:
@@ -402,7 +382,7 @@ class Listener:
                 self._on_batch(sub, seq, frames[2])
         return True
 
-    def _on_batch(self, sub: _Subscription, seq: int, payload: bytes) -> None:
+    def _on_batch(self, sub: Subscription, seq: int, payload: bytes) -> None:
         expected = sub.next_seq
         if expected is None or seq == expected:
             self._apply(sub, seq, payload)
@@ -425,7 +405,7 @@ class Listener:
                 sub.held.append((seq, payload))
                 self._start_replay(sub, 0, clear=True)
 
-    def _apply(self, sub: _Subscription, seq: int, payload: bytes) -> None:
+    def _apply(self, sub: Subscription, seq: int, payload: bytes) -> None:
         sub.next_seq = seq + 1
         try:
             batch = decode_batch(payload)
@@ -445,6 +425,6 @@ class Listener:
         if sub.state == "live":
             self._quiet_from_now(sub)
 
-    def _quiet_from_now(self, sub: _Subscription) -> None:
+    def _quiet_from_now(self, sub: Subscription) -> None:
         """A live subscription with a replay endpoint asks for missed batches once it has been quiet a while."""
         sub.deadline = time.monotonic() + self.idle_replay_s if sub.address.replay_endpoint is not None else 0.0

@@ -65,6 +65,9 @@ class KVRouting:
                  capacity: int) -> None:
         self.registry = registry
         self.index = PrefixIndex(capacity, store_hit_weight)
+        if not self.index.native:
+            log.info("the KV index applies events with its Python core: the C core is not built on this machine "
+                     "(python -m pdserve.kv_events.native builds it)")
         self.listener = Listener(self.index)
         self.collector = KVIndexCollector(self.index, self.listener)
         self.tokenizer = PromptTokenizer(tokenizer) if tokenizer else None

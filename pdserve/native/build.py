@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.utils import cpuinfo_line
+from pdserve.utils import cpuinfo_line, native_cache_dir
 
 HERE = Path(__file__).parent
 SOURCES = (HERE / "paged_attention.cpp", HERE / "pointwise.cpp", HERE / "rotary_cache.cpp",
@@ -32,10 +32,7 @@ BUILD_TIMEOUT_S = 600.0
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("PDSERVE_NATIVE_CACHE")
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pdserve" / "native"
+    return native_cache_dir()
 
 
 def _cpu_features() -> str:
