@@ -5,7 +5,8 @@ HTTP front's main thread, the rest), read from /proc: nothing in the product is 
 Python 3.11 gives its threads no OS names (every /proc/<pid>/task/<tid>/comm says "python"), so the threads are
 named by one `py-spy dump --json` per instance (its `os_thread_id` and `thread_name`), taken when the split is
 reported: the tier's threads live as long as the instance, so their ids are those the /proc readings saw. Without
-py-spy (a diagnostic, not a dependency: `pip install py-spy`) the threads are not split, the processes still are.
+py-spy (a diagnostic, not a dependency: `pip install -e '.[profile]'`) the threads are not split, the processes
+still are.
 """
 
 from __future__ import annotations

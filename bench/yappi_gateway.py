@@ -3,7 +3,7 @@
 A sampling profiler misplaces time under asyncio on Python 3.11 (py-spy charges the event loop's C code to the
 last Python line that ran); yappi counts each coroutine's CPU time while it runs. It slows Python calls about
 threefold, so read shares and before/after differences, not absolute microseconds. Diagnostics only: it wraps
-the CLI, it changes no product code. Needs yappi (`pip install yappi`, not a project dependency).
+the CLI, it changes no product code. Needs yappi (`pip install -e '.[profile]'`, not needed to serve or test).
 
     python bench/yappi_gateway.py --after 6 --for 4 --out bench/out/yappi-after.txt -- \
         --prefill URL --decode URL --protocol pull --policy round_robin --port 0   # then load it (bench/gateway.py)

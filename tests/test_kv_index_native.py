@@ -41,7 +41,7 @@ def folded(ekey: int | bytes) -> int:
 class SameIndex(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.indexes = [PrefixIndex(capacity=CAPACITY, native_core=True), PrefixIndex(capacity=CAPACITY, native_core=False)]
+        self.indexes = [PrefixIndex(capacity=CAPACITY, native_core=native) for native in (True, False)]
 
     def apply(self, member: str, events: list) -> None:
         for index in self.indexes:
@@ -117,4 +117,5 @@ def test_a_batch_the_c_core_cannot_read_raises_and_leaves_the_index_usable():
         index.apply("a", [bad])
     index.apply("a", [BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=[1, 2, 3, 4], block_size=4,
                                   lora_id=None, medium="GPU", lora_name=None)])
-    assert index.held_blocks() == {"a": 1} and index.overlap_blocks(content_keys([1, 2, 3, 4], 4), 4, ["a"]) == {"a": 1.0}
+    assert index.held_blocks() == {"a": 1}
+    assert index.overlap_blocks(content_keys([1, 2, 3, 4], 4), 4, ["a"]) == {"a": 1.0}

@@ -1,10 +1,11 @@
 """The prefix index's C core: compiled once per machine into the native build cache, loaded by the gateway.
 
-Torch-free (the gateway never imports torch): the system C compiler builds one CPython extension from `core.c`,
-with xxHash's header (Debian's libxxhash-dev) for the same XXH3 the Python core calls through the `xxhash`
-package. `make install` builds it (`python -m pdserve.kv_events.native`); the gateway only loads what is cached and
-falls back to the Python core when nothing is (no compiler, no header), saying so once in its log. The cache key
-covers the source, the flags and the Python build, so an edited core is rebuilt, not reused.
+Torch-free (the gateway never imports torch): the system C compiler builds one CPython extension from `core.c`
+(applying events) and `module.c` (the Python type), with xxHash's header (Debian's libxxhash-dev) for the same XXH3
+the Python core calls through the `xxhash` package. `make install` builds it (`python -m pdserve.kv_events.native`);
+the gateway only loads what is cached and falls back to the Python core when nothing is (no compiler, no header),
+saying so in its log. The cache key covers the sources, the flags and the Python build, so an edited core is
+rebuilt, not reused.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from types import ModuleType
 
 from pdserve.utils import native_cache_dir
 
-SOURCE = Path(__file__).parent / "core.c"
+HERE = Path(__file__).parent
+SOURCES = (HERE / "core.c", HERE / "module.c")
+HEADERS = (HERE / "core.h", HERE / "map.h")
 MODULE = "pdserve_kv_index"
 CFLAGS = ("-O2", "-shared", "-fPIC", "-fvisibility=hidden", "-Wall")
 BUILD_TIMEOUT_S = 120.0
@@ -30,8 +33,8 @@ BUILD_TIMEOUT_S = 120.0
 
 def cached_path() -> Path:
     key = hashlib.blake2b(digest_size=8)
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), sysconfig.get_config_var("EXT_SUFFIX").encode(),
-                 sysconfig.get_paths()["include"].encode()):
+    for part in (*(f.read_bytes() for f in SOURCES + HEADERS), " ".join(CFLAGS).encode(),
+                 sysconfig.get_config_var("EXT_SUFFIX").encode(), sysconfig.get_paths()["include"].encode()):
         key.update(part)
     return native_cache_dir() / f"{MODULE}_{key.hexdigest()}{sysconfig.get_config_var('EXT_SUFFIX')}"
 
@@ -48,8 +51,8 @@ def build() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix="build-") as staging:
         partial = Path(staging) / target.name
-        run = subprocess.run([compiler, *CFLAGS, f"-I{sysconfig.get_paths()['include']}", str(SOURCE), "-o",
-                              str(partial)], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False)
+        run = subprocess.run([compiler, *CFLAGS, f"-I{sysconfig.get_paths()['include']}", *map(str, SOURCES),
+                              "-o", str(partial)], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False)
         if run.returncode != 0:
             raise RuntimeError(f"compiling the KV index core failed:\n{(run.stdout + run.stderr)[-4000:]}")
         os.replace(partial, target)  # published by a rename: a process that finds the file never loads half of it

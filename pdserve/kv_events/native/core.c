@@ -12,117 +12,24 @@
    64 bits of its digest, so the fold loses nothing vLLM keeps; two digests that agree in 64 bits would be one
    entry (one pair in 2^64). */
 
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <stdint.h>
-#include <string.h>
+#include "core.h"
 
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
 #define ROOT_KEY 1337ULL /* the chain's seed, as the Python core's */
-#define NONE_ID (-1)
-
-/* -- an open-addressing map (a, b) -> int32, linear probing, deletion by backward shift ------------------------ */
-typedef struct { uint64_t a, b; int32_t val; int32_t used; } Slot;
-typedef struct { Slot *slots; size_t mask, len; } Map;
-
-static inline uint64_t mix(uint64_t a, uint64_t b) {
-    uint64_t x = a * 0x9E3779B97F4A7C15ULL ^ (b + 0x632BE59BD9B4E019ULL + (a << 6) + (a >> 2));
-    x ^= x >> 31; x *= 0xBF58476D1CE4E5B9ULL; x ^= x >> 29; x *= 0x94D049BB133111EBULL; x ^= x >> 32;
-    return x;
-}
-
-static int map_init(Map *m, size_t cap) {
-    m->slots = PyMem_Calloc(cap, sizeof(Slot));
-    m->mask = cap - 1;
-    m->len = 0;
-    return m->slots ? 0 : -1;
-}
-
-static Slot *map_find(Map *m, uint64_t a, uint64_t b) {
-    size_t i = mix(a, b) & m->mask;
-    for (;;) {
-        Slot *s = &m->slots[i];
-        if (!s->used) return NULL;
-        if (s->a == a && s->b == b) return s;
-        i = (i + 1) & m->mask;
-    }
-}
-
-static int map_grow(Map *m) {
-    Map bigger;
-    if (map_init(&bigger, (m->mask + 1) * 2) < 0) return -1;
-    for (size_t i = 0; i <= m->mask; i++) {
-        Slot *s = &m->slots[i];
-        if (!s->used) continue;
-        size_t j = mix(s->a, s->b) & bigger.mask;
-        while (bigger.slots[j].used) j = (j + 1) & bigger.mask;
-        bigger.slots[j] = *s;
-    }
-    bigger.len = m->len;
-    PyMem_Free(m->slots);
-    *m = bigger;
-    return 0;
-}
-
-/* The slot for (a, b), added with `val` when absent (kept below 1/2 full); NULL on no memory. */
-static Slot *map_put(Map *m, uint64_t a, uint64_t b, int32_t val) {
-    if ((m->len + 1) * 2 > m->mask + 1 && map_grow(m) < 0) return NULL;
-    size_t i = mix(a, b) & m->mask;
-    for (;;) {
-        Slot *s = &m->slots[i];
-        if (!s->used) {
-            s->a = a; s->b = b; s->val = val; s->used = 1;
-            m->len++;
-            return s;
-        }
-        if (s->a == a && s->b == b) return s;
-        i = (i + 1) & m->mask;
-    }
-}
-
-static void map_del(Map *m, Slot *s) {
-    size_t hole = (size_t)(s - m->slots), i = hole;
-    m->slots[hole].used = 0;
-    m->len--;
-    for (;;) {  /* move back every later entry of the run that probing could not find past the hole */
-        i = (i + 1) & m->mask;
-        Slot *next = &m->slots[i];
-        if (!next->used) return;
-        size_t home = mix(next->a, next->b) & m->mask;
-        if (((i - home) & m->mask) >= ((i - hole) & m->mask)) {
-            m->slots[hole] = *next;
-            next->used = 0;
-            hole = i;
-        }
-    }
-}
-
-/* -- entries and the LRU ---------------------------------------------------------------------------------------- */
-typedef struct {
-    uint64_t key, ekey;
-    int32_t block_size, member, device, offload;
-    int32_t prev, next;  /* the LRU's neighbours (oldest first); `next` chains the free entries */
-} Entry;
-
-typedef struct {
-    PyObject_HEAD
-    Entry *entries;
-    int32_t n_entries, entries_cap, free_head, lru_head, lru_tail, lru_len;
-    Map blocks;      /* (member, engine hash) -> entry */
-    Map entries_of;  /* (member << 32 | block size, content key) -> how many of its entries hold that content */
-    PyObject **names;  /* member id -> name (the holders' and credits' dict key) */
-    Py_ssize_t *held;  /* member id -> its entries */
-    int32_t n_members;
-    Py_ssize_t capacity;
-    long long orphans, evicted;
-    PyObject *holders, *speculative;  /* the Python index's dicts */
-    PyObject *one, *offload_weight;   /* the credits a device copy and another tier's copy give */
-    PyObject *stored_type, *removed_type, *cleared_type, *storage_medium, *device_medium;
-} Core;
 
 static PyObject *s_block_hashes, *s_parent, *s_token_ids, *s_block_size, *s_medium;
+
+int core_init_names(void) {
+    s_block_hashes = PyUnicode_InternFromString("block_hashes");
+    s_parent = PyUnicode_InternFromString("parent_block_hash");
+    s_token_ids = PyUnicode_InternFromString("token_ids");
+    s_block_size = PyUnicode_InternFromString("block_size");
+    s_medium = PyUnicode_InternFromString("medium");
+    return s_block_hashes && s_parent && s_token_ids && s_block_size && s_medium ? 0 : -1;
+}
+
 
 static int32_t entry_new(Core *c) {
     if (c->free_head != NONE_ID) {
@@ -388,7 +295,7 @@ static int removed(Core *c, int32_t member, PyObject *event, int device) {
     return rc;
 }
 
-static int forget_member(Core *c, int32_t member) {
+int forget_member(Core *c, int32_t member) {
     for (int32_t id = c->lru_head; id != NONE_ID;) {
         int32_t next = c->entries[id].next;
         if (c->entries[id].member == member && forget(c, id) < 0) return -1;
@@ -397,8 +304,8 @@ static int forget_member(Core *c, int32_t member) {
     return 0;
 }
 
-/* -- the Python interface ------------------------------------------------------------------------------------------ */
-static int check_member(Core *c, int member) {
+/* -- applying a batch ------------------------------------------------------------------------------------------ */
+int check_member(Core *c, int member) {
     if (member < 0 || member >= c->n_members) {
         PyErr_Format(PyExc_IndexError, "no member %d", member);
         return -1;
@@ -406,7 +313,7 @@ static int check_member(Core *c, int member) {
     return 0;
 }
 
-static PyObject *Core_apply(Core *c, PyObject *args) {
+PyObject *Core_apply(Core *c, PyObject *args) {
     PyObject *events, *guesses, *store_guesses;
     int member, store;
     if (!PyArg_ParseTuple(args, "OiOiO", &events, &member, &guesses, &store, &store_guesses)) return NULL;
@@ -445,120 +352,4 @@ static PyObject *Core_apply(Core *c, PyObject *args) {
 fail:
     Py_DECREF(seq);
     return NULL;
-}
-
-static PyObject *Core_add_member(Core *c, PyObject *name) {
-    PyObject **names = PyMem_Realloc(c->names, (size_t)(c->n_members + 1) * sizeof(PyObject *));
-    if (!names) return PyErr_NoMemory();
-    c->names = names;
-    Py_ssize_t *held = PyMem_Realloc(c->held, (size_t)(c->n_members + 1) * sizeof(Py_ssize_t));
-    if (!held) return PyErr_NoMemory();
-    c->held = held;
-    Py_INCREF(name);
-    c->names[c->n_members] = name;
-    c->held[c->n_members] = 0;
-    return PyLong_FromLong(c->n_members++);
-}
-
-static PyObject *Core_forget_member(Core *c, PyObject *arg) {
-    int member = (int)PyLong_AsLong(arg);
-    if ((member == -1 && PyErr_Occurred()) || check_member(c, member) < 0 || forget_member(c, member) < 0)
-        return NULL;
-    Py_RETURN_NONE;
-}
-
-static PyObject *Core_held(Core *c, PyObject *arg) {
-    int member = (int)PyLong_AsLong(arg);
-    if ((member == -1 && PyErr_Occurred()) || check_member(c, member) < 0) return NULL;
-    return PyLong_FromSsize_t(c->held[member]);
-}
-
-static PyObject *Core_lru_items(Core *c, PyObject *Py_UNUSED(ignored)) {
-    PyObject *out = PyList_New(0);
-    for (int32_t id = c->lru_head; out && id != NONE_ID; id = c->entries[id].next) {
-        PyObject *item = Py_BuildValue("(OK)", c->names[c->entries[id].member], c->entries[id].ekey);
-        if (!item || PyList_Append(out, item) < 0) Py_CLEAR(out);
-        Py_XDECREF(item);
-    }
-    return out;
-}
-
-static PyObject *Core_counters(Core *c, PyObject *Py_UNUSED(ignored)) {
-    return Py_BuildValue("(nLL)", (Py_ssize_t)c->lru_len, c->orphans, c->evicted);
-}
-
-static int Core_init(Core *c, PyObject *args, PyObject *kwds) {
-    static char *kw[] = {"holders", "speculative", "capacity", "offload_weight", "stored_type", "removed_type",
-                         "cleared_type", NULL};
-    double weight;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!ndOOO", kw, &PyDict_Type, &c->holders, &PyDict_Type,
-                                     &c->speculative, &c->capacity, &weight, &c->stored_type, &c->removed_type,
-                                     &c->cleared_type))
-        return -1;
-    Py_INCREF(c->holders); Py_INCREF(c->speculative);
-    Py_INCREF(c->stored_type); Py_INCREF(c->removed_type); Py_INCREF(c->cleared_type);
-    c->one = PyFloat_FromDouble(1.0);
-    c->offload_weight = PyFloat_FromDouble(weight);
-    c->storage_medium = PyUnicode_InternFromString("STORAGE");
-    c->device_medium = PyUnicode_InternFromString("GPU");
-    c->free_head = c->lru_head = c->lru_tail = NONE_ID;
-    if (!c->one || !c->offload_weight || !c->storage_medium || !c->device_medium) return -1;
-    if (map_init(&c->blocks, 1024) < 0 || map_init(&c->entries_of, 1024) < 0) { PyErr_NoMemory(); return -1; }
-    return 0;
-}
-
-static void Core_dealloc(Core *c) {
-    for (int32_t i = 0; i < c->n_members; i++) Py_DECREF(c->names[i]);
-    PyMem_Free(c->names);
-    PyMem_Free(c->held);
-    PyMem_Free(c->entries);
-    PyMem_Free(c->blocks.slots);
-    PyMem_Free(c->entries_of.slots);
-    Py_XDECREF(c->holders); Py_XDECREF(c->speculative); Py_XDECREF(c->one); Py_XDECREF(c->offload_weight);
-    Py_XDECREF(c->stored_type); Py_XDECREF(c->removed_type); Py_XDECREF(c->cleared_type);
-    Py_XDECREF(c->storage_medium); Py_XDECREF(c->device_medium);
-    Py_TYPE(c)->tp_free((PyObject *)c);
-}
-
-static PyMethodDef Core_methods[] = {
-    {"apply", (PyCFunction)Core_apply, METH_VARARGS,
-     "apply(events, member, guesses, store, store_guesses) -> (stored, removed, cleared, block size, store's)"},
-    {"add_member", (PyCFunction)Core_add_member, METH_O, "add_member(name) -> member id"},
-    {"forget_member", (PyCFunction)Core_forget_member, METH_O, "forget every entry of a member id"},
-    {"held", (PyCFunction)Core_held, METH_O, "held(member id) -> its entries"},
-    {"lru_items", (PyCFunction)Core_lru_items, METH_NOARGS, "[(member, engine key)], oldest first"},
-    {"counters", (PyCFunction)Core_counters, METH_NOARGS, "(entries, orphans, evicted)"},
-    {NULL, NULL, 0, NULL},
-};
-
-static PyTypeObject CoreType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "pdserve_kv_index.Core",
-    .tp_basicsize = sizeof(Core),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "The prefix index's entries, applied from KV events in C.",
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)Core_init,
-    .tp_dealloc = (destructor)Core_dealloc,
-    .tp_methods = Core_methods,
-};
-
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "pdserve_kv_index", NULL, -1, NULL};
-
-PyMODINIT_FUNC PyInit_pdserve_kv_index(void) {
-    s_block_hashes = PyUnicode_InternFromString("block_hashes");
-    s_parent = PyUnicode_InternFromString("parent_block_hash");
-    s_token_ids = PyUnicode_InternFromString("token_ids");
-    s_block_size = PyUnicode_InternFromString("block_size");
-    s_medium = PyUnicode_InternFromString("medium");
-    if (PyType_Ready(&CoreType) < 0) return NULL;
-    PyObject *m = PyModule_Create(&module);
-    if (!m) return NULL;
-    Py_INCREF(&CoreType);
-    if (PyModule_AddObject(m, "Core", (PyObject *)&CoreType) < 0) {
-        Py_DECREF(&CoreType);
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
 }
