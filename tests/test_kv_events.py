@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+import tracemalloc
 
 import msgspec
 import pytest
@@ -224,6 +225,27 @@ def test_a_credit_never_outlives_the_eviction_of_a_block_the_instance_already_he
 
 
 # -- routing ---------------------------------------------------------------------------------------------
+def test_a_member_that_flaps_does_not_grow_the_index():
+    """A publisher that cannot be reached is dropped and joined again on every retry, for as long as it is down."""
+    index = PrefixIndex()
+    for _ in range(200):  # warm up: whatever is allocated once
+        index.join("flapping", BS)
+        index.apply("flapping", [stored([1, 2], None, list(range(2 * BS)))])
+        index.drop("flapping")
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(5000):
+            index.join("flapping", BS)
+            index.apply("flapping", [stored([1, 2], None, list(range(2 * BS)))])
+            index.drop("flapping")
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 20_000, f"{grown} bytes for 5000 drops and joins"
+    assert index.held_blocks() == {} and index.size() == 0
+
+
 def test_kv_aware_weighs_cached_tokens_against_load_and_credits_its_choice():
     from pdserve.gateway.registry import Instance
     from pdserve.kv_events.policy import KvAware

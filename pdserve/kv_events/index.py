@@ -97,6 +97,7 @@ class PrefixIndex:
         self._stats = IndexStats()
         self._lock = threading.Lock()
         self._members: dict[str, _Member] = {}
+        self._core_ids: dict[str, int] = {}  # every member name the core has seen (a dropped member's is empty)
         # block size -> content key -> {member: credit per block (1, or offload_weight)}
         self._holders: dict[int, dict[int, dict[str, float]]] = {}
         self._speculative: dict[int, dict[int, dict[str, float]]] = {}  # block size -> key -> {member: expiry}
@@ -137,7 +138,12 @@ class PrefixIndex:
     def _member(self, name: str) -> _Member:
         state = self._members.get(name)  # not setdefault: it would build a _Member for every batch
         if state is None:
-            state = self._members[name] = _Member(self._core.add_member(name))
+            # A member that left and came back keeps its core id: a publisher that flaps (dropped, then joined
+            # again on every retry) must not grow the core by a member each time.
+            core_id = self._core_ids.get(name)
+            if core_id is None:
+                core_id = self._core_ids[name] = self._core.add_member(name)
+            state = self._members[name] = _Member(core_id)
         return state
 
     def join(self, member: str, block_size: int | None = None, store: str | None = None) -> None:
