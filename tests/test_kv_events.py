@@ -228,12 +228,12 @@ def test_a_credit_never_outlives_the_eviction_of_a_block_the_instance_already_he
 def test_a_member_that_flaps_does_not_grow_the_index():
     """A publisher that cannot be reached is dropped and joined again on every retry, for as long as it is down."""
     index = PrefixIndex()
-    for _ in range(200):  # warm up: whatever is allocated once
-        index.join("flapping", BS)
-        index.apply("flapping", [stored([1, 2], None, list(range(2 * BS)))])
-        index.drop("flapping")
     tracemalloc.start()
     try:
+        for _ in range(200):  # whatever is allocated once, and the live set allocated anew
+            index.join("flapping", BS)
+            index.apply("flapping", [stored([1, 2], None, list(range(2 * BS)))])
+            index.drop("flapping")
         before = tracemalloc.get_traced_memory()[0]
         for _ in range(5000):
             index.join("flapping", BS)
@@ -244,6 +244,26 @@ def test_a_member_that_flaps_does_not_grow_the_index():
         tracemalloc.stop()
     assert grown < 20_000, f"{grown} bytes for 5000 drops and joins"
     assert index.held_blocks() == {} and index.size() == 0
+
+
+def test_memory_stays_bounded_while_blocks_churn_through_a_full_index():
+    index, hashes = PrefixIndex(capacity=500), iter(range(1, 10**9))
+
+    def churn(batches: int) -> None:
+        for n in range(batches):
+            tokens = [n % 97 + i for i in range(4 * BS)]  # new content every batch; its blocks evict the oldest
+            index.apply(f"m{n % 3}", [stored([next(hashes) for _ in range(4)], None, tokens)])
+
+    tracemalloc.start()  # it counts what was allocated since, so the live set is counted once it has turned over
+    try:
+        churn(5_000)
+        before = tracemalloc.get_traced_memory()[0]
+        churn(10_000)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert index.size() == 500 and index.stats.evicted == 15_000 * 4 - 500
+    assert grown < 20_000, f"{grown} bytes for 40,000 more blocks through an index of 500"
 
 
 def test_kv_aware_weighs_cached_tokens_against_load_and_credits_its_choice():
