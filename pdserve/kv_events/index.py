@@ -22,8 +22,9 @@ gateway both run in the loop, and the lock is never contended).
 
 What routing reads (the holders and the credits) are dicts of this class; what only applying events reads (each
 instance's entries by engine hash, the LRU) is a core's: the C core (`pdserve/kv_events/native`) where this
-machine has built it, else the Python one (`index_core.py`), which it is tested against. Applying a batch was
-most of what `kv_aware` cost the gateway beyond `round_robin` (docs/benchmarks.md, section 14).
+machine has built it, else the Python one (`index_core.py`), which it is tested against. Applying was most of
+what a KV event batch cost the gateway; the C core takes about a third of the Python one's CPU for it
+(docs/benchmarks.md, section 14).
 """
 
 from __future__ import annotations

@@ -368,7 +368,10 @@ class Listener:
         for n in range(_BUDGET):
             if (n or not ready) and not sub.sub.getsockopt(zmq.EVENTS) & _POLLIN:
                 return False
-            frames = sub.sub.recv_multipart(zmq.NOBLOCK)
+            try:
+                frames = sub.sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:  # a poll's readiness that a receive did not find (not an error)
+                return False
             if len(frames) != 3 or len(frames[1]) != 8:
                 sub.counters.decode_errors += 1
                 continue
