@@ -247,7 +247,7 @@ def test_a_member_that_flaps_does_not_grow_the_index():
 
 
 def test_memory_stays_bounded_while_blocks_churn_through_a_full_index():
-    index, hashes = PrefixIndex(capacity=500), iter(range(1, 10**9))
+    index, hashes = PrefixIndex(capacity=200), iter(range(1, 10**9))
 
     def churn(batches: int) -> None:
         for n in range(batches):
@@ -256,14 +256,14 @@ def test_memory_stays_bounded_while_blocks_churn_through_a_full_index():
 
     tracemalloc.start()  # it counts what was allocated since, so the live set is counted once it has turned over
     try:
-        churn(5_000)
+        churn(2_000)
         before = tracemalloc.get_traced_memory()[0]
-        churn(10_000)
+        churn(4_000)
         grown = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
-    assert index.size() == 500 and index.stats.evicted == 15_000 * 4 - 500
-    assert grown < 20_000, f"{grown} bytes for 40,000 more blocks through an index of 500"
+    assert index.size() == 200 and index.stats.evicted == 6_000 * 4 - 200
+    assert grown < 20_000, f"{grown} bytes for 16,000 more blocks through an index of 200"
 
 
 def test_kv_aware_weighs_cached_tokens_against_load_and_credits_its_choice():

@@ -5,12 +5,14 @@ killed mid-run, registration with a publisher and departure. Every answer equals
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
+from pdserve.kv_events import native
 from pdserve.launcher import start, start_instance
 from kv_routing_utils import ask, indexed, legs, live, samples
 from peers import reserved_port
@@ -73,6 +75,9 @@ def test_colocated_requests_go_where_their_prefix_is_cached(model, fleet):
             assert legs(g, rid) == {"colocated": instance.url}
         text = httpx.get(g.url + "/metrics", timeout=10).text
         assert 'pdserve:gateway_kv_index_events_applied_total{type="BlockStored"}' in text
+        built = native.load() is not None  # make install builds the C core; the gateway takes it when it is
+        assert metric_values(g.url)["pdserve:gateway_kv_index_native"] == float(built)
+        assert built or os.environ.get("CI") != "true"
     finally:
         g.stop()
 

@@ -34,6 +34,8 @@ class KVIndexCollector:
                      self.index.size())
         yield _gauge("pdserve:gateway_kv_index_capacity", "Entries the index keeps at most (LRU bound).",
                      self.index.capacity)
+        yield _gauge("pdserve:gateway_kv_index_native", "1 when the index applies events with its C core, 0 with "
+                     "the Python one (the C core is not built on this machine).", float(self.index.native))
         stats = self.index.stats
         applied = CounterMetricFamily("pdserve:gateway_kv_index_events_applied", "KV events applied, by type.",
                                       labels=["type"])

@@ -30,7 +30,6 @@ int core_init_names(void) {
     return s_block_hashes && s_parent && s_token_ids && s_block_size && s_medium ? 0 : -1;
 }
 
-
 static int32_t entry_new(Core *c) {
     if (c->free_head != NONE_ID) {
         int32_t id = c->free_head;
@@ -332,9 +331,9 @@ PyObject *Core_apply(Core *c, PyObject *args) {
         if (type != (PyTypeObject *)c->stored_type && type != (PyTypeObject *)c->removed_type) continue;
         PyObject *medium = PyObject_GetAttr(event, s_medium);
         if (!medium) goto fail;
-        int to_store = store != NONE_ID && medium != Py_None &&
-                       PyObject_RichCompareBool(medium, c->storage_medium, Py_EQ) == 1;
-        int device = is_device(c, medium);
+        int to_store = store != NONE_ID && medium != Py_None ?
+                       PyObject_RichCompareBool(medium, c->storage_medium, Py_EQ) : 0;
+        int device = to_store < 0 ? -1 : is_device(c, medium);
         Py_DECREF(medium);
         if (device < 0) goto fail;
         int32_t who = to_store ? store : member;
