@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
-from proc_cpu import sched_seconds, thread_seconds  # noqa: E402
+from proc_cpu import sched_seconds, thread_seconds_by_name  # noqa: E402
 
 from pdserve.kv_events.config import KVEventsConfig  # noqa: E402
 from pdserve.kv_events.index import PrefixIndex  # noqa: E402
@@ -118,9 +118,7 @@ async def gateway_like(mode: str, addresses: list, seconds: float, go: mp.Event)
 
 def zmq_io_seconds() -> float:
     """CPU seconds of this process's ZMQ I/O threads (named ZMQbg/IO/n)."""
-    own = os.getpid()
-    return sum(seconds for tid, seconds in thread_seconds(own).items()
-               if Path(f"/proc/{own}/task/{tid}/comm").read_text().startswith("ZMQbg/IO"))
+    return sum(seconds for name, seconds in thread_seconds_by_name(os.getpid()).items() if name.startswith("ZMQbg/IO"))
 
 
 def one(mode: str, seconds: float, period_s: float) -> tuple[int, float, float, float]:

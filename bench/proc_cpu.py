@@ -26,6 +26,19 @@ def thread_seconds(pid: int) -> dict[int, float]:
     return out
 
 
+def thread_seconds_by_name(pid: int) -> dict[str, float]:
+    """CPU seconds of a process's live threads, summed by thread name (`comm`: an event loop's "python", ZMQ's
+    "ZMQbg/IO/0", ...)."""
+    out: dict[str, float] = {}
+    for tid, seconds in thread_seconds(pid).items():
+        try:
+            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+        except OSError:
+            continue
+        out[name] = out.get(name, 0.0) + seconds
+    return out
+
+
 def sched_seconds(pid: int) -> float:
     """CPU seconds of `pid`'s live threads; 0 if it is gone."""
     return sum(thread_seconds(pid).values())

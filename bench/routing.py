@@ -49,7 +49,7 @@ from typing import Any
 BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCH), str(BENCH.parent / "tests")]
 import harness as H  # noqa: E402
-from proc_cpu import thread_seconds  # noqa: E402
+from proc_cpu import thread_seconds_by_name  # noqa: E402
 from routing_fleet import MAX_MODEL_LEN, start_instances, start_router  # noqa: E402
 from routing_reference import BS, explain_picks, offline_bound  # noqa: E402
 
@@ -211,19 +211,6 @@ def run(url: str, convs: list[list[list[dict]]], salt: str, concurrency: int, ra
             "order": sent_order}
 
 
-def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds of a process's threads, summed by thread name (the router's event loop, its KV-event listener,
-    ...), from /proc."""
-    out: dict[str, float] = {}
-    for tid, seconds in thread_seconds(pid).items():
-        try:
-            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
-        except OSError:
-            continue
-        out[name] = out.get(name, 0.0) + seconds
-    return out
-
-
 def hit_tokens(client: Any, urls: list[str]) -> float:
     return sum(H.scrape(client, u).get("vllm:prefix_cache_hits_total", 0.0) for u in urls)
 
@@ -285,12 +272,12 @@ def measure_one(url: str, pid: int, holders: list[str], client: Any, convs: list
     """One workload through one router: the run, the holders' prefix-cache hits and the router's CPU."""
     # schedstat's nanoseconds, not /proc/<pid>/stat's 10 ms ticks (one tick is ~150 µs a request here); a router's
     # threads live as long as it does, so none that ends between the two readings is lost.
-    before, threads0 = hit_tokens(client, holders), thread_cpu(pid)
+    before, threads0 = hit_tokens(client, holders), thread_seconds_by_name(pid)
     out = run(url, convs, salt, args.concurrency, args.rate)
     time.sleep(0.3)  # the last answers' blocks reach the metrics
     out["hits"] = hit_tokens(client, holders) - before
     answered = max(len(out["ttfts"]), 1)
-    threads = thread_cpu(pid)
+    threads = thread_seconds_by_name(pid)
     out["cpu_us_per_req"] = (sum(threads.values()) - sum(threads0.values())) / answered * 1e6
     out["threads_us_per_req"] = {name: round((cpu - threads0.get(name, 0.0)) / answered * 1e6)
                                  for name, cpu in threads.items() if cpu > threads0.get(name, 0.0)}

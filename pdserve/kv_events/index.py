@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from xxhash import xxh3_64_intdigest
 
 from pdserve.kv_events import native
-from pdserve.kv_events.index_core import ROOT_KEY, PyCore
+from pdserve.kv_events.index_core import ROOT_KEY, PyCore, unset
 from pdserve.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, Event
 
 log = logging.getLogger(__name__)
@@ -183,16 +183,8 @@ class PrefixIndex:
 
     def _drop_guesses(self, member: str, state: _Member) -> None:
         for bs, key in state.speculative:
-            self._unguess(member, bs, key)
+            unset(self._speculative, bs, key, member)
         state.speculative.clear()
-
-    def _unguess(self, member: str, block_size: int, key: int) -> None:
-        by_key = self._speculative.get(block_size)
-        guesses = by_key.get(key) if by_key is not None else None
-        if guesses is not None:
-            guesses.pop(member, None)
-            if not guesses:
-                del by_key[key]
 
     # -- what routing asks ------------------------------------------------------------------------------
     def block_size(self, member: str) -> int:
@@ -271,7 +263,7 @@ class PrefixIndex:
                 expired = [k for k, t in state.speculative.items() if t <= now]
                 for bs, key in expired:
                     del state.speculative[(bs, key)]
-                    self._unguess(member, bs, key)
+                    unset(self._speculative, bs, key, member)
 
     def held_blocks(self) -> dict[str, int]:
         with self._lock:

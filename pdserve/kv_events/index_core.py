@@ -135,7 +135,7 @@ class PyCore:
                 entries_of[(bs, parent_key)] = entries_of.get((bs, parent_key), 0) + 1
             self._add_copy(entry, device, trim=False)
             if guesses and guesses.pop((bs, parent_key), None) is not None:
-                self._unset(self._speculative, bs, parent_key, self._names[member])
+                unset(self._speculative, bs, parent_key, self._names[member])
         self._trim()
         return bs
 
@@ -193,14 +193,14 @@ class PyCore:
         if left:
             entries_of[content] = left
             return  # another of its entries holds these tokens: it still holds them
-        self._unset(self._holders, entry.block_size, entry.key, self._names[member])
+        unset(self._holders, entry.block_size, entry.key, self._names[member])
 
-    @staticmethod
-    def _unset(table: Holders, block_size: int, key: int, name: str) -> None:
-        """Remove `name` from table[block_size][key], and the key once nobody is left under it."""
-        by_key = table.get(block_size)
-        inner = by_key.get(key) if by_key is not None else None
-        if inner is not None:
-            inner.pop(name, None)
-            if not inner:
-                del by_key[key]
+
+def unset(table: Holders, block_size: int, key: int, name: str) -> None:
+    """Remove `name` from table[block_size][key] (the holders, or the credits), and the key once nobody is left."""
+    by_key = table.get(block_size)
+    inner = by_key.get(key) if by_key is not None else None
+    if inner is not None:
+        inner.pop(name, None)
+        if not inner:
+            del by_key[key]

@@ -31,10 +31,6 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
 BUILD_TIMEOUT_S = 600.0
 
 
-def cache_dir() -> Path:
-    return native_cache_dir()
-
-
 def _cpu_features() -> str:
     return cpuinfo_line("flags", "Features") or platform.processor()
 
@@ -48,7 +44,7 @@ def library_name() -> str:
 
 
 def cached_library() -> Path:
-    return cache_dir() / f"{library_name()}.so"
+    return native_cache_dir() / f"{library_name()}.so"
 
 
 def compile_into_cache() -> Path:

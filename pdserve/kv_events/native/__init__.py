@@ -16,6 +16,7 @@ import importlib.util
 import os
 import shutil
 import subprocess
+import sys
 import sysconfig
 import tempfile
 from pathlib import Path
@@ -60,7 +61,11 @@ def build() -> Path:
 
 
 def load() -> ModuleType | None:
-    """The compiled core's module, or None when this machine has not built it."""
+    """The compiled core's module, or None when this machine has not built it. Loaded once per process: finding
+    the build means hashing the sources, which every index would otherwise do again."""
+    loaded = sys.modules.get(MODULE)
+    if loaded is not None:
+        return loaded
     path = cached_path()
     if not path.exists():
         return None
@@ -68,4 +73,5 @@ def load() -> ModuleType | None:
     spec = importlib.util.spec_from_file_location(MODULE, path, loader=loader)
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)
+    sys.modules[MODULE] = module
     return module
