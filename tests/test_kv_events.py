@@ -24,7 +24,7 @@ BS = 4
 def index_core(request, monkeypatch):
     """Every test runs with each of the index's cores (tests/test_kv_index_native.py holds them to each other)."""
     if request.param == "python_core":
-        monkeypatch.setattr(index_module, "_native_core", lambda: None)
+        monkeypatch.setattr(index_module, "_native_module", lambda: None)
     elif native.load() is None and os.environ.get("CI") != "true":
         pytest.skip("the C core is not built here")
     return request.param

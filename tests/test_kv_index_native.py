@@ -1,17 +1,18 @@
 """The prefix index's C core against its Python core: any sequence of events and index calls leaves both indexes
-with the same holders, credits, entries, LRU order and counters (hypothesis's stateful testing drives them)."""
+with the same holders, credits, entries, LRU order and counters, and gives the same answers to routing's queries
+(hypothesis's stateful testing drives them); both key a prompt alike."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from xxhash import xxh3_64_intdigest
 
-from pdserve.kv_events import native
+from pdserve.kv_events import index_queries, native
 from pdserve.kv_events.index import PrefixIndex, content_keys
 from pdserve.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored
 
@@ -88,6 +89,23 @@ class SameIndex(RuleBasedStateMachine):
         for index in self.indexes:
             index.credit(member, content_keys(TOKENS[prompt], bs, limit=6), bs)
 
+    @rule(member=st.sampled_from(MEMBERS), bs=st.sampled_from([4, 8]), count=st.integers(1, 3))
+    def a_store_holds_a_prefix(self, member, bs, count):
+        """The member reads a store that holds the first blocks of a prompt (common in use, rare by chance above)."""
+        for index in self.indexes:
+            index.join(member, None, "s")
+        self.apply(member, [BlockStored(block_hashes=[100 + i for i in range(count)], parent_block_hash=None,
+                                        token_ids=TOKENS[0][:count * bs], block_size=bs, lora_id=None,
+                                        medium="STORAGE", lora_name=None)])
+
+    @rule()
+    def credits_lapse(self):
+        """Every credit given so far runs out, as its time to live would."""
+        for index in self.indexes:
+            for by_key in index._speculative.values():
+                for by_member in by_key.values():
+                    by_member.update(dict.fromkeys(by_member, 0.0))
+
     @invariant()
     def the_same(self):
         c, py = self.indexes
@@ -98,15 +116,39 @@ class SameIndex(RuleBasedStateMachine):
         assert c.stats == py.stats
         assert c.lru_items() == [(m, folded(e)) for m, e in py.lru_items()]
         assert {m: c.block_size(m) for m in MEMBERS} == {m: py.block_size(m) for m in MEMBERS}
+        assert {m: set(s.speculative) for m, s in c._members.items()} == \
+            {m: set(s.speculative) for m, s in py._members.items()}
+        members = [*MEMBERS, "store:s", "unknown"]
         for bs in (4, 8):
-            keys = content_keys(TOKENS[0], bs)
-            members = [*MEMBERS, "store:s"]
-            assert c.overlap_blocks(keys, bs, members) == py.overlap_blocks(keys, bs, members)
+            for tokens in TOKENS:
+                keys = content_keys(tokens, bs)
+                assert c.overlap_blocks(keys, bs, members) == py.overlap_blocks(keys, bs, members)
+                for start in (0, 2, 9):
+                    assert c.known_run(keys, start, bs) == py.known_run(keys, start, bs)
+                assert [c.guessed(m, keys[1], bs) for m in MEMBERS] == [py.guessed(m, keys[1], bs) for m in MEMBERS]
 
 
 SameIndex.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
                                        suppress_health_check=[HealthCheck.too_slow])
 test_the_c_core_and_the_python_core_agree = SameIndex.TestCase
+
+
+@settings(max_examples=300, deadline=None)
+@given(tokens=st.lists(st.integers(0, 2**32 - 1), max_size=70), bs=st.integers(1, 9), start=st.integers(0, 30),
+       count=st.integers(-1, 9), seed=st.integers(0, 2**64 - 1))
+def test_the_c_core_keys_a_prompt_as_the_python_index_does(tokens, bs, start, count, seed):
+    keys = native.load().content_keys(tokens, start, bs, count, seed)
+    assert keys == index_queries.content_keys(tokens, start, bs, count, seed)
+    assert keys == content_keys(tokens[start:], bs, None if count < 0 else count, seed)
+
+
+@pytest.mark.parametrize("bad", [[1, 2, 2**32], [1, -1, 3], [1, "2", 3]])
+def test_a_token_id_that_is_no_uint32_raises_in_both_keyings(bad):
+    with pytest.raises((OverflowError, TypeError)) as from_c:
+        native.load().content_keys(bad, 0, 3, -1, 1)
+    with pytest.raises((OverflowError, TypeError)) as from_python:
+        index_queries.content_keys(bad, 0, 3, -1, 1)
+    assert from_c.type is from_python.type
 
 
 def test_a_batch_the_c_core_cannot_read_raises_and_leaves_the_index_usable():

@@ -33,11 +33,11 @@ import logging
 import threading
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 
-from xxhash import xxh3_64_intdigest
-
+from pdserve.kv_events import index_queries as queries
 from pdserve.kv_events import native
 from pdserve.kv_events.index_core import ROOT_KEY, PyCore, unset
 from pdserve.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, Event
@@ -51,16 +51,7 @@ def content_keys(token_ids: list[int] | array, block_size: int, limit: int | Non
                  ) -> list[int]:
     """Chained keys of the whole blocks of `token_ids` (at most `limit`): key i names tokens [0, (i+1)·bs). `seed`:
     the key of the block before the first (to go on from blocks keyed before)."""
-    data = memoryview(token_ids if isinstance(token_ids, array) else array("I", token_ids)).cast("B")
-    step = block_size * 4
-    count = len(token_ids) // block_size
-    if limit is not None:
-        count = min(count, limit)
-    keys, key = [], seed
-    for start in range(0, count * step, step):
-        key = xxh3_64_intdigest(data[start:start + step], key)
-        keys.append(key)
-    return keys
+    return queries.content_keys(list(token_ids), 0, block_size, -1 if limit is None else limit, seed)
 
 
 @dataclass(eq=False)
@@ -79,13 +70,16 @@ class IndexStats:
     cleared: int = 0  # instances cleared (AllBlocksCleared, restart, loss, departure)
 
 
-def _native_core() -> type | None:
+# (tokens, start, block size, count, seed) -> the keys of `count` whole blocks from token `start` (-1: all there are)
+KeysOf = Callable[[list[int], int, int, int, int], list[int]]
+
+
+def _native_module() -> ModuleType | None:
     try:
-        module = native.load()
+        return native.load()
     except ImportError as exc:  # built for another Python, or damaged: the Python core serves
         log.warning("the KV index's C core does not load (%s): using the Python core", exc)
         return None
-    return module.Core if module is not None else None
 
 
 class PrefixIndex:
@@ -99,15 +93,19 @@ class PrefixIndex:
         self._lock = threading.Lock()
         self._members: dict[str, _Member] = {}
         self._core_ids: dict[str, int] = {}  # every member name the core has seen (a dropped member's is empty)
+        self._store_of: dict[str, str] = {}  # member -> the member name of the store it reads (its state's `store`)
         # block size -> content key -> {member: credit per block (1, or offload_weight)}
         self._holders: dict[int, dict[int, dict[str, float]]] = {}
         self._speculative: dict[int, dict[int, dict[str, float]]] = {}  # block size -> key -> {member: expiry}
-        core = _native_core() if native_core is not False else None
-        if native_core and core is None:
+        module = _native_module() if native_core is not False else None
+        if native_core and module is None:
             raise RuntimeError("the KV index's C core is not built here (python -m pdserve.kv_events.native)")
-        self.native = core is not None
-        self._core = (core or PyCore)(self._holders, self._speculative, capacity, offload_weight, BlockStored,
-                                      BlockRemoved, AllBlocksCleared)
+        self.native = module is not None
+        # What routing asks (index_queries.py): in C with the C core, with the same answers.
+        self._queries = module if module is not None else queries
+        self.keys_of: KeysOf = self._queries.content_keys  # how prompts are keyed for this index
+        self._core = (module.Core if module is not None else PyCore)(
+            self._holders, self._speculative, capacity, offload_weight, BlockStored, BlockRemoved, AllBlocksCleared)
 
     @property
     def stats(self) -> IndexStats:
@@ -155,7 +153,7 @@ class PrefixIndex:
             if block_size and not state.block_size:
                 state.block_size = block_size
             if store is not None:
-                state.store = STORE_PREFIX + store
+                state.store = self._store_of[member] = STORE_PREFIX + store
 
     def clear(self, member: str) -> None:
         """Forget what `member` holds (its sequence restarted, events were lost, it stopped publishing)."""
@@ -170,6 +168,7 @@ class PrefixIndex:
             state = self._members.pop(member, None)
             if state is None:
                 return
+            self._store_of.pop(member, None)
             self._clear(member, state)
             if state.store is not None and all(s.store != state.store for s in self._members.values()):
                 store = self._members.pop(state.store, None)
@@ -195,11 +194,8 @@ class PrefixIndex:
     def known_run(self, keys: list[int], start: int, block_size: int) -> int:
         """How many of `keys[start:]`, from the first, some member (or store) holds or is credited with."""
         with self._lock:
-            holders, guesses = self._holders.get(block_size, {}), self._speculative.get(block_size, {})
-            for n in range(start, len(keys)):
-                if keys[n] not in holders and keys[n] not in guesses:
-                    return n - start
-            return len(keys) - start
+            return self._queries.known_run(keys, start, self._holders.get(block_size, {}),
+                                           self._speculative.get(block_size, {}))
 
     def guessed(self, member: str, key: int, block_size: int) -> bool:
         """Whether `member`'s credit for this block is still due: given, neither confirmed by its events nor lapsed."""
@@ -210,31 +206,10 @@ class PrefixIndex:
     def overlap_blocks(self, keys: list[int], block_size: int, members: list[str]) -> dict[str, float]:
         """For each member, its credited blocks over the longest run of `keys` from the start it holds (itself,
         or in the store it reads)."""
-        credit = dict.fromkeys(members, 0.0)
         now = time.monotonic()
         with self._lock:
-            holders_by_key = self._holders.get(block_size, {})
-            guesses_by_key = self._speculative.get(block_size, {})
-            for member in credit:  # each member's run from the start, walked until its first miss
-                state = self._members.get(member)
-                store = state.store if state is not None else None
-                total = 0.0
-                for key in keys:
-                    holders = holders_by_key.get(key)
-                    weight = holders.get(member) if holders is not None else None
-                    if weight is None:
-                        guesses = guesses_by_key.get(key)
-                        if guesses is not None and guesses.get(member, 0.0) > now:
-                            weight = 1.0
-                    if store is not None and holders is not None and (weight is None or weight < 1.0):
-                        stored = holders.get(store)
-                        if stored is not None and (weight is None or stored > weight):
-                            weight = stored
-                    if weight is None:
-                        break
-                    total += weight
-                credit[member] = total
-        return credit
+            return self._queries.overlap(keys, self._holders.get(block_size, {}), self._speculative.get(block_size, {}),
+                                         members, self._store_of, now)
 
     def credit(self, member: str, keys: list[int], block_size: int) -> None:
         """Routing chose `member` for a prompt with these keys: count the ones it must compute as held until its
@@ -246,14 +221,8 @@ class PrefixIndex:
             state = self._members.get(member)
             if state is None:  # not publishing (or not reachable): scored by load alone
                 return
-            holders_by_key = self._holders.get(block_size, {})
-            by_key = self._speculative.setdefault(block_size, {})
-            for key in keys:
-                holders = holders_by_key.get(key)
-                if holders is not None and holders.get(member) == 1.0:
-                    continue
-                by_key.setdefault(key, {})[member] = expiry
-                state.speculative[(block_size, key)] = expiry
+            self._queries.credit(keys, self._holders.get(block_size, {}), self._speculative.setdefault(block_size, {}),
+                                 member, expiry, state.speculative, block_size)
 
     def sweep(self) -> None:
         """Drop expired speculative credits (the listener calls this now and then)."""

@@ -2,10 +2,10 @@
 
 The instances publish token ids, so the gateway must see the prompt as they will: token-id prompts as sent; text
 prompts encoded with the model's own tokenizer.json (Hugging Face `tokenizers`, special tokens added as the
-instances add them to completions); chat messages rendered through the model's chat template first (jinja2, set
-up as transformers sets it up: sandboxed, trim_blocks, lstrip_blocks, loop controls), then encoded without adding
-special tokens (the template places them). A request the gateway cannot render (images, an unknown template
-feature) has no token ids and is routed by load alone. Keys per block size are computed on first use and kept
+instances add them to completions); chat messages rendered through the model's chat template first (as
+transformers renders it: chat_template.py), then encoded without adding special tokens (the template places them).
+A request the gateway cannot render (images, an unknown template feature) has no token ids and is routed by load
+alone. Keys per block size are computed on first use and kept
 with the prompt, so every pick of one request hashes it once.
 """
 
@@ -14,12 +14,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from array import array
 from pathlib import Path
 from typing import Any
 
+from pdserve.kv_events import index_queries
+from pdserve.kv_events.chat_template import ChatTemplate
 from pdserve.kv_events.fast_bpe import fast_encoder
-from pdserve.kv_events.index import ROOT_KEY, content_keys
+from pdserve.kv_events.index import ROOT_KEY, KeysOf
 from pdserve.kv_events.lazy_ids import LazyIds
 from pdserve.kv_events.pieces import SAMPLES, PieceEncoder
 
@@ -29,11 +30,14 @@ _MAX_TOKEN_ID = 2**31 - 1
 class RoutedPrompt:
     """A prompt's token ids and their block keys, known at once (`tokens`) or encoded as far as asked (`lazy`)."""
 
-    __slots__ = ("_tokens", "_lazy", "cached", "_keys")
+    __slots__ = ("_tokens", "_lazy", "cached", "_keys", "_keys_of")
 
-    def __init__(self, tokens: list[int] | None, lazy: LazyIds | None = None) -> None:
+    def __init__(self, tokens: list[int] | None, lazy: LazyIds | None = None,
+                 keys_of: KeysOf = index_queries.content_keys) -> None:
+        """`keys_of`: how its blocks are keyed (the index's: in C where the index's core is)."""
         self._tokens = tokens
         self._lazy = lazy
+        self._keys_of = keys_of
         self.cached: dict[str, float] = {}  # prompt tokens the instances picked for it held when picked
         self._keys: dict[int, list[int]] = {}  # per block size, the keys of its first blocks computed so far
 
@@ -85,14 +89,16 @@ class RoutedPrompt:
         keys = self._keys.setdefault(block_size, [])
         count, first = (len(tokens) - 1) // block_size, len(keys)
         if first < count:
-            keys += content_keys(array("I", tokens[first * block_size:count * block_size]), block_size,
-                                 seed=keys[-1] if keys else ROOT_KEY)
+            keys += self._keys_of(tokens, first * block_size, block_size, count - first,
+                                  keys[-1] if keys else ROOT_KEY)
         return keys
 
 
 class PromptTokenizer:
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, keys_of: KeysOf = index_queries.content_keys, minijinja: bool = True) -> None:
         """`path`: the model's (or tokenizer's) folder, as the instances were started with, or a tokenizer.json.
+        `keys_of`: how its prompts' blocks are keyed (the index's). `minijinja`: render the chat template with it
+        where it renders as jinja2 (False: jinja2 only).
 
         From a folder the tokenizer is taken as transformers builds it (which may replace tokenizer.json's
         pre-tokenizer and normalizer by the model family's own), in a child process so that this one never imports
@@ -100,6 +106,7 @@ class PromptTokenizer:
         """
         from tokenizers import Tokenizer
 
+        self.keys_of = keys_of
         path = Path(path)
         if path.is_dir():
             exported = _export(path)
@@ -108,7 +115,7 @@ class PromptTokenizer:
         else:
             self.tokenizer = Tokenizer.from_file(str(path))
             template, self.special = None, {}
-        self.template = _compile(template) if isinstance(template, str) else None
+        self.template = ChatTemplate(template, minijinja) if isinstance(template, str) else None
         self.fast = fast_encoder(self.tokenizer)  # tiktoken, where it encodes as the tokenizer does
         self.pieces = PieceEncoder(self.tokenizer, ordinary=self.fast)
         self.framing = _framing(self.tokenizer, self.pieces) if self.pieces.lazy_ok else None
@@ -123,13 +130,13 @@ class PromptTokenizer:
             prompt = body.get("prompt")
             if "messages" in body and prompt is None and self.pieces.lazy_ok:
                 text = self.render_chat(body)
-                return RoutedPrompt(None, self.pieces.lazy(text) if text else None)
+                return RoutedPrompt(None, self.pieces.lazy(text) if text else None, self.keys_of)
             if isinstance(prompt, str) and prompt and self.framing is not None:
-                return RoutedPrompt(None, self.pieces.lazy(prompt, *self.framing))
+                return RoutedPrompt(None, self.pieces.lazy(prompt, *self.framing), self.keys_of)
             tokens = self._tokens(body)
         except Exception:  # noqa: BLE001 - a template error is the instance's to report; routing goes on
             return RoutedPrompt(None)
-        return RoutedPrompt(tokens or None)
+        return RoutedPrompt(tokens or None, keys_of=self.keys_of)
 
     def _tokens(self, body: dict[str, Any]) -> list[int] | None:
         prompt = body.get("prompt")
@@ -184,19 +191,6 @@ def _framing(tokenizer: Any, pieces: PieceEncoder) -> tuple[list[int], list[int]
         if prefix + pieces.encode(text) + suffix != tokenizer.encode(text, add_special_tokens=True).ids:
             return None
     return prefix, suffix
-
-
-def _compile(template: str) -> Any:
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str) -> None:
-        raise ValueError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent, ensure_ascii=False)
-    env.globals["raise_exception"] = raise_exception
-    return env.from_string(template)
 
 
 _EXPORT = """

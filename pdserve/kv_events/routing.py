@@ -70,7 +70,7 @@ class KVRouting:
                      "(python -m pdserve.kv_events.native builds it)")
         self.listener = Listener(self.index)
         self.collector = KVIndexCollector(self.index, self.listener)
-        self.tokenizer = PromptTokenizer(tokenizer) if tokenizer else None
+        self.tokenizer = PromptTokenizer(tokenizer, self.index.keys_of) if tokenizer else None
         if self.tokenizer is None:
             log.warning("kv_aware routing without --tokenizer: only prompts sent as token ids are routed by the "
                         "prefix index; text and chat prompts are routed by load")
@@ -84,7 +84,7 @@ class KVRouting:
     def prompt_of(self, body: dict[str, Any]) -> RoutedPrompt:
         if self.tokenizer is not None:
             return self.tokenizer.prompt(body)
-        return RoutedPrompt(token_ids(body.get("prompt")))
+        return RoutedPrompt(token_ids(body.get("prompt")), keys_of=self.index.keys_of)
 
     def start(self) -> None:
         """From the event loop, which the listener then runs in."""

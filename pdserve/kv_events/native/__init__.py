@@ -1,11 +1,11 @@
 """The prefix index's C core: compiled once per machine into the native build cache, loaded by the gateway.
 
 Torch-free (the gateway never imports torch): the system C compiler builds one CPython extension from `core.c`
-(applying events) and `module.c` (the Python type), with xxHash's header (Debian's libxxhash-dev) for the same XXH3
-the Python core calls through the `xxhash` package. `make install` builds it (`python -m pdserve.kv_events.native`);
-the gateway only loads what is cached and falls back to the Python core when nothing is (no compiler, no header),
-saying so in its log. The cache key covers the sources, the flags and the Python build, so an edited core is
-rebuilt, not reused.
+(applying events), `query.c` (routing's queries) and `module.c` (the Python type), with xxHash's header (Debian's
+libxxhash-dev) for the same XXH3 the Python core calls through the `xxhash` package. `make install` builds it
+(`python -m pdserve.kv_events.native`); the gateway only loads what is cached and falls back to the Python core
+when nothing is (no compiler, no header), saying so in its log. The cache key covers the sources, the flags and the
+Python build, so an edited core is rebuilt, not reused.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from types import ModuleType
 from pdserve.utils import native_cache_dir
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "core.c", HERE / "module.c")
+SOURCES = (HERE / "core.c", HERE / "query.c", HERE / "module.c")
 HEADERS = (HERE / "core.h", HERE / "map.h")
 MODULE = "pdserve_kv_index"
 CFLAGS = ("-O2", "-shared", "-fPIC", "-fvisibility=hidden", "-Wall")

@@ -37,5 +37,10 @@ int core_init_names(void);  /* the event fields' interned names; once, at import
 int check_member(Core *c, int member);
 int forget_member(Core *c, int32_t member);
 PyObject *Core_apply(Core *c, PyObject *args);
+/* query.c: what routing asks (the functions of the module) */
+PyObject *content_keys(PyObject *module, PyObject *args);
+PyObject *known_run(PyObject *module, PyObject *args);
+PyObject *overlap(PyObject *module, PyObject *args);
+PyObject *credit(PyObject *module, PyObject *args);
 
 #endif

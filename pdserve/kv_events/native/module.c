@@ -98,7 +98,18 @@ static PyTypeObject CoreType = {
     .tp_methods = Core_methods,
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "pdserve_kv_index", NULL, -1, NULL};
+static PyMethodDef module_methods[] = {
+    {"content_keys", content_keys, METH_VARARGS,
+     "content_keys(tokens, start, block_size, count, seed) -> the chained keys of `count` blocks from `start`"},
+    {"known_run", known_run, METH_VARARGS, "known_run(keys, start, holders, guesses) -> keys known from start on"},
+    {"overlap", overlap, METH_VARARGS,
+     "overlap(keys, holders, guesses, members, store_of, now) -> {member: credited blocks from the start}"},
+    {"credit", credit, METH_VARARGS,
+     "credit(keys, holders, guesses, member, expiry, member_guesses, block_size) -> None"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "pdserve_kv_index", NULL, -1, module_methods};
 
 PyMODINIT_FUNC PyInit_pdserve_kv_index(void) {
     if (core_init_names() < 0 || PyType_Ready(&CoreType) < 0) return NULL;
