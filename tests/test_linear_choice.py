@@ -30,7 +30,10 @@ def test_by_default_a_single_fp32_row_takes_f_linear_and_bf16_stays_on_onednn(mo
     layers = [Linear(fp32), Linear(bf16)]
     calibrate_linears(layers, [fp32, bf16])
     assert layers[0].plain is fp32 and layers[0].plain_rows == 1  # the loaded weight kept, not copied
-    assert layers[1].plain is None and layers[1].plain_rows == 0
+    if onednn_available(torch.device("cpu"), torch.bfloat16):
+        assert layers[1].plain is None and layers[1].plain_rows == 0
+    else:  # a CPU without oneDNN's bf16 path: F.linear on the weight as loaded
+        assert layers[1].packed is None and layers[1].plain is bf16
     x = torch.randn(2, 2048)
     # Bit for bit: one row is MKL's GEMV, two rows are oneDNN's, whatever else the process did before.
     assert torch.equal(layers[0](x[:1]), F.linear(x[:1], fp32))
@@ -44,6 +47,20 @@ def test_by_default_a_single_fp32_row_takes_f_linear_and_bf16_stays_on_onednn(mo
     monkeypatch.setenv(linear.LINEAR_ENV_VAR, "fast")
     with pytest.raises(ValueError, match="PDSERVE_LINEAR_BACKEND='fast'.*onednn, gemv, auto"):
         calibrate_linears([Linear(fp32)], [fp32])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_cpu_without_onednns_half_precision_path_takes_f_linear(monkeypatch, dtype) -> None:
+    """oneDNN's packed bf16 and fp16 weights need AVX-512 (or AVX-NE-CONVERT): on an AVX2 CPU reordering raises, and
+    an instance would not start with --dtype bfloat16."""
+    for name in ("_is_mkldnn_bf16_supported", "_is_mkldnn_fp16_supported"):
+        monkeypatch.setattr(torch.ops.mkldnn, name, lambda: False)
+    weight, x = torch.randn(64, 32, dtype=dtype), torch.randn(3, 32, dtype=dtype)
+    layer = Linear(weight)
+    calibrate_linears([layer], [weight])
+    assert layer.packed is None and layer.plain is weight
+    assert torch.equal(layer(x), F.linear(x, weight))
+    assert onednn_available(torch.device("cpu"))  # fp32 keeps oneDNN
 
 
 def test_calibration_keeps_plain_weights_only_where_asked(monkeypatch) -> None:

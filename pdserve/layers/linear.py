@@ -31,8 +31,18 @@ def bound_onednn_caches(capacity: int = ONEDNN_CACHE_CAPACITY) -> None:
         os.environ.setdefault(name, str(capacity))
 
 
-def onednn_available(device: torch.device) -> bool:
-    return device.type == "cpu" and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+def onednn_available(device: torch.device, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether oneDNN serves linears of `dtype` here. Its packed bf16 and fp16 paths need the CPU's own support
+    (AVX-512 BW/VL/DQ or AVX-NE-CONVERT for bf16; AVX-512 FP16 or AVX-NE-CONVERT for fp16): without it, as on AVX2
+    CPUs (AMD before Zen 4, Intel client parts), reordering the weight raises, and F.linear serves them."""
+    if not (device.type == "cpu" and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return True
 
 
 class Linear:
@@ -43,7 +53,7 @@ class Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, use_onednn: bool | None = None) -> None:
         self.bias = bias
-        self.use_onednn = onednn_available(weight.device) if use_onednn is None else use_onednn
+        self.use_onednn = onednn_available(weight.device, weight.dtype) if use_onednn is None else use_onednn
         self.plain: torch.Tensor | None = weight.contiguous()
         self.packed: torch.Tensor | None = None
         self.plain_rows = 0
