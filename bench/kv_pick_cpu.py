@@ -75,7 +75,7 @@ def main() -> None:
         model = Path(args.model) if args.model else make_model(Path(tmp))
         if not PrefixIndex().native:
             sys.exit("the C core is not built here: python -m pdserve.kv_events.native")
-        ids_of = PromptTokenizer(model)  # the instances' ids, computed before any timing
+        ids_of = PromptTokenizer(model, minijinja=False)  # the instances' ids (jinja2, as theirs), before any timing
         tokenizers = {name: PromptTokenizer(model, PrefixIndex(native_core=native).keys_of, minijinja)
                       for name, (native, minijinja) in CONFIGS.items()}
         for workload in WORKLOADS:

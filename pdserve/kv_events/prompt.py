@@ -5,8 +5,8 @@ prompts encoded with the model's own tokenizer.json (Hugging Face `tokenizers`, 
 instances add them to completions); chat messages rendered through the model's chat template first (as
 transformers renders it: chat_template.py), then encoded without adding special tokens (the template places them).
 A request the gateway cannot render (images, an unknown template feature) has no token ids and is routed by load
-alone. Keys per block size are computed on first use and kept
-with the prompt, so every pick of one request hashes it once.
+alone. Keys per block size are computed on first use and kept with the prompt, so every pick of one request hashes
+it once.
 """
 
 from __future__ import annotations
