@@ -32,7 +32,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -47,11 +46,10 @@ log = logging.getLogger(__name__)
 STORE_PREFIX = "store:"  # a shared store's member name: the prefix, then the identity its instances announced
 
 
-def content_keys(token_ids: list[int] | array, block_size: int, limit: int | None = None, seed: int = ROOT_KEY
-                 ) -> list[int]:
+def content_keys(token_ids: list[int], block_size: int, limit: int | None = None, seed: int = ROOT_KEY) -> list[int]:
     """Chained keys of the whole blocks of `token_ids` (at most `limit`): key i names tokens [0, (i+1)·bs). `seed`:
     the key of the block before the first (to go on from blocks keyed before)."""
-    return queries.content_keys(list(token_ids), 0, block_size, -1 if limit is None else limit, seed)
+    return queries.content_keys(token_ids, 0, block_size, -1 if limit is None else limit, seed)
 
 
 @dataclass(eq=False)
@@ -59,7 +57,6 @@ class _Member:
     id: int  # the core's name for it
     block_size: int = 0  # of its latest BlockStored: what its prompts are scored in
     speculative: dict[tuple[int, int], float] = field(default_factory=dict)  # (block size, key) -> expiry
-    store: str | None = None  # the member name of the shared store it reads and writes, if it announced one
 
 
 @dataclass
@@ -93,7 +90,8 @@ class PrefixIndex:
         self._lock = threading.Lock()
         self._members: dict[str, _Member] = {}
         self._core_ids: dict[str, int] = {}  # every member name the core has seen (a dropped member's is empty)
-        self._store_of: dict[str, str] = {}  # member -> the member name of the store it reads (its state's `store`)
+        # member -> the member name of the shared store it reads and writes, for those that announced one
+        self._store_of: dict[str, str] = {}
         # block size -> content key -> {member: credit per block (1, or offload_weight)}
         self._holders: dict[int, dict[int, dict[str, float]]] = {}
         self._speculative: dict[int, dict[int, dict[str, float]]] = {}  # block size -> key -> {member: expiry}
@@ -117,7 +115,8 @@ class PrefixIndex:
     def apply(self, member: str, events: Sequence[Event]) -> None:
         with self._lock:
             state = self._member(member)
-            store = self._member(state.store) if state.store is not None else None
+            store_name = self._store_of.get(member)
+            store = self._member(store_name) if store_name is not None else None
             # counted per batch: an engine sends one BlockRemoved per evicted block
             stored, removed, cleared, bs, store_bs = self._core.apply(
                 events, state.id, state.speculative, -1 if store is None else store.id,
@@ -153,7 +152,7 @@ class PrefixIndex:
             if block_size and not state.block_size:
                 state.block_size = block_size
             if store is not None:
-                state.store = self._store_of[member] = STORE_PREFIX + store
+                self._store_of[member] = STORE_PREFIX + store
 
     def clear(self, member: str) -> None:
         """Forget what `member` holds (its sequence restarted, events were lost, it stopped publishing)."""
@@ -168,12 +167,12 @@ class PrefixIndex:
             state = self._members.pop(member, None)
             if state is None:
                 return
-            self._store_of.pop(member, None)
+            store_name = self._store_of.pop(member, None)
             self._clear(member, state)
-            if state.store is not None and all(s.store != state.store for s in self._members.values()):
-                store = self._members.pop(state.store, None)
+            if store_name is not None and store_name not in self._store_of.values():
+                store = self._members.pop(store_name, None)
                 if store is not None:
-                    self._clear(state.store, store)
+                    self._clear(store_name, store)
 
     def _clear(self, member: str, state: _Member) -> None:
         self._stats.cleared += 1
