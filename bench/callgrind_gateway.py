@@ -3,7 +3,7 @@ box's neighbours do not move (CPU time per request moved by up to ±30 % between
 
 The stubs of bench/gateway.py (`--instances vllm` or `pdserve`), one gateway started under
 `valgrind --tool=callgrind` from CHECKOUT (its own code: run from its directory, as bench/gateway.py runs
-`--base`), warmed up, then counters zeroed, `wrk -c32` for `--seconds`, and one dump. Prints the instructions per
+`--base`), warmed up, then counters zeroed, `wrk -c32` (or `--connections`) for `--seconds`, and one dump. Prints the instructions per
 request and those of a few parts (inclusive counts of their C entry points, from callgrind_annotate). Under
 callgrind a request takes ~50× longer, so every request outlives the 50 ms after which its disconnect watch starts
 (the "loop timers" part), which at real speed almost none does; kernel time is not counted. Needs valgrind.
@@ -56,6 +56,7 @@ def main() -> int:
     ap.add_argument("--checkout", default=str(BENCH.parent), help="whose pdserve gateway (default: this one)")
     ap.add_argument("--instances", choices=("vllm", "pdserve"), default="pdserve")
     ap.add_argument("--seconds", type=int, default=15)
+    ap.add_argument("--connections", type=int, default=32, help="wrk's -c: 32, or 1 for one request at a time")
     args = ap.parse_args()
     cleanup = H.Cleanup()
     work = Path(tempfile.mkdtemp(prefix="pdserve-callgrind-"))
@@ -69,16 +70,17 @@ def main() -> int:
                                   "--api-key", G.API_KEY, "--host", "127.0.0.1", "--port", "0", "--log-level",
                                   "warning"], work, cleanup, ready_line=True,
                       env={"PYTHONUNBUFFERED": "1", "PYTHONPATH": args.checkout}, cwd=args.checkout)
-    script = work / "c32.lua"
+    script = work / "wrk.lua"
     script.write_text(G.WRK_LUA.format(body=json.dumps(G.BODY.decode()), key=G.API_KEY))
     G.run_wrk(gateway.url, script, 32, 3)
     subprocess.run(["callgrind_control", "--zero", str(gateway.pid)], check=True, capture_output=True)
-    result, _ = G.run_wrk(gateway.url, script, 32, args.seconds)
+    result, _ = G.run_wrk(gateway.url, script, args.connections, args.seconds)
     subprocess.run(["callgrind_control", "--dump", str(gateway.pid)], check=True, capture_output=True)
     dump = min(work.glob("callgrind.out.*"))
     n = max(result["requests"], 1)
     total = int(next(line for line in dump.read_text().splitlines() if line.startswith("totals:")).split()[1])
-    print(f"{args.checkout} in front of {args.instances}-like stubs, c=32: {result['requests']} requests, "
+    print(f"{args.checkout} in front of {args.instances}-like stubs, c={args.connections}: {result['requests']} "
+          f"requests, "
           f"{result['errors'] + result['non2xx']} errors\n| part | instructions per request | % |\n|---|---|---|")
     print(f"| total | {total / n:,.0f} | 100 |")
     for part, count in parts_of(dump).items():

@@ -18,6 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
 from pdserve.forkserver import ENV_VAR as FORKSERVER_ENV
@@ -73,16 +74,9 @@ class Process:
             self.popen.wait(10)
 
     def stop(self, timeout: float = 15.0) -> None:
-        if self._stopped:
-            return
-        self._stopped = True
-        if self.alive():
-            self._signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self._signal(signal.SIGKILL)
-                self.popen.wait(10)
+        stop_all([self], timeout)
+
+    def _forget(self) -> None:
         if self.popen.stdout is not None:
             self.popen.stdout.close()
         if os.environ.get("PDSERVE_KEEP_LOGS"):  # a failed run's logs, kept for whoever reads it afterwards
@@ -91,6 +85,29 @@ class Process:
             self.log_path.unlink()
         except OSError:
             pass
+
+
+def stop_all(procs: Iterable[Any], timeout: float = 15.0) -> None:
+    """Stop processes together: SIGTERM to every one, then one deadline for all (SIGKILL past it). An instance's
+    SIGTERM drains it, and a drain lingers a couple of seconds for probing gateways to see it leave: stopped one
+    after another, N instances take N lingers; together, one. Anything else with a `stop()` is stopped by it."""
+    todo = []
+    for proc in procs:
+        if not isinstance(proc, Process):
+            proc.stop()
+        elif not proc._stopped:
+            proc._stopped = True
+            if proc.alive():
+                proc._signal(signal.SIGTERM)
+            todo.append(proc)
+    deadline = time.monotonic() + timeout
+    for proc in todo:
+        try:
+            proc.popen.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc._signal(signal.SIGKILL)
+            proc.popen.wait(10)
+        proc._forget()
 
 
 def start(name: str, args: list[str], timeout: float = 120.0, env: dict[str, str] | None = None,

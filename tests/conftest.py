@@ -47,7 +47,7 @@ import vllm_live
 
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.forkserver import ENV_VAR as FORKSERVER_ENV
-from pdserve.launcher import LaunchError, start_command
+from pdserve.launcher import LaunchError, start_command, stop_all
 from pdserve.llm import LLM
 from pdserve.modelgen import make_text_model
 
@@ -320,5 +320,4 @@ def recorded(tmp_path: Path):
         return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
     yield start_fake, received
-    for proc in procs:
-        proc.stop()
+    stop_all(procs)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.launcher import Process, start, start_instance
+from pdserve.launcher import Process, start, start_instance, stop_all
 from server_utils import metric_values, wait_for, wait_until_idle
 
 ADMIN = "migration-admin-token"
@@ -118,8 +118,7 @@ class Fleet:
             assert metrics.get("pdserve:kv_leases_held", 0) == 0, name
 
     def stop(self) -> None:
-        for proc in [*self.procs.values(), *([self.gateway] if self.gateway else [])]:
-            proc.stop()
+        stop_all([*self.procs.values(), *([self.gateway] if self.gateway else [])])
 
 
 class Stream:

@@ -12,6 +12,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.launcher import stop_all
+
 
 def data_planes(*names: str) -> list:
     """Parameters for tests run once per data plane. Planes over a third-party engine (nixl, mooncake) are
@@ -38,8 +40,7 @@ def processes(**starters: Callable[[], object]) -> Iterator[dict]:
             procs[name] = starter()
         yield procs
     finally:
-        for proc in procs.values():
-            proc.stop()
+        stop_all(procs.values())
 
 
 def metric_values(base_url: str) -> dict[str, float]:

@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 
-from pdserve.launcher import start, start_instance
+from pdserve.launcher import start, start_instance, stop_all
 from server_utils import metric_values
 
 COMMON = ["--max-model-len", "512", "--num-kv-blocks", "128", "--served-model-name", "tiny"]
@@ -45,8 +45,7 @@ def keyed(models):
         procs["C"] = start_instance(model, *COMMON, "--api-key", "other", KEY, name="C")
         yield procs
     finally:
-        for proc in procs.values():
-            proc.stop()
+        stop_all(procs.values())
 
 
 def test_instances_take_vllms_api_key(keyed):

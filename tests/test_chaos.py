@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from pdserve.launcher import start, start_instance
+from pdserve.launcher import start, start_instance, stop_all
 from peers import reserved_port
 from server_utils import metric_values, sse_events, wait_for, wait_for_gateway_to_know, wait_until_idle
 
@@ -55,8 +55,7 @@ def cluster(models, prefill: dict[str, dict], decode: dict[str, dict], protocol:
         wait_for_gateway_to_know(procs["G"].url, len(prefill) + len(decode))
         yield procs
     finally:
-        for proc in procs.values():
-            proc.stop()
+        stop_all(procs.values())
 
 
 def body(prompt: list[int], **extra) -> dict:
@@ -220,8 +219,7 @@ def test_restarted_prefill_with_a_new_engine_id(models):
         assert metric_values(procs["D"].url)["pdserve:kv_transfer_bytes_received_total"] == bytes_before
         survivors_idle(procs, ["P", "D"])
     finally:
-        for proc in procs.values():
-            proc.stop()
+        stop_all(procs.values())
 
 
 def _disconnect_when(url: str, b: dict, ready) -> None:

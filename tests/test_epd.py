@@ -16,7 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
-from pdserve.launcher import start, start_instance
+from pdserve.launcher import start, start_instance, stop_all
 from server_utils import metric_values, wait_until_idle
 
 COMMON = ["--max-model-len", "512", "--num-kv-blocks", "128", "--served-model-name", "llava"]
@@ -258,8 +258,7 @@ def test_injected_ec_load_failure_recomputes(llava, colocated, tmp_path):
         assert m["pdserve:ec_load_failures_total"] == 1 and m["pdserve:encoder_cache_misses_total"] >= 1
         nothing_held({"P": procs["P"]}, ("P",))
     finally:
-        for proc in procs.values():
-            proc.stop()
+        stop_all(procs.values())
 
 
 def test_e_to_pd_over_two_encode_instances(llava, colocated, tmp_path):
@@ -283,5 +282,4 @@ def test_e_to_pd_over_two_encode_instances(llava, colocated, tmp_path):
         assert metric_values(procs["PD"].url)["pdserve:ec_loads_total"] == 4
         nothing_held(procs, ("PD",))
     finally:
-        for proc in procs.values():
-            proc.stop()
+        stop_all(procs.values())

@@ -9,7 +9,7 @@ import random
 import httpx
 import pytest
 
-from pdserve.launcher import start, start_instance
+from pdserve.launcher import start, start_instance, stop_all
 from server_utils import data_planes, metric_values, wait_until_idle
 
 COMMON = ["--max-model-len", "512", "--num-kv-blocks", "192", "--served-model-name", "tiny", "--admin-token", "drill"]
@@ -42,8 +42,7 @@ def cluster(models, request):
                                                "--retries", "0", "--port", "0", "--log-level", "warning"])
         yield {**procs, "plane": plane}
     finally:
-        for proc in procs.values():
-            proc.stop()
+        stop_all(procs.values())
 
 
 def set_faults(instance, **faults) -> None:

@@ -14,7 +14,7 @@ from pdserve.ids import new_transfer_id
 from pdserve.kv_transfer.data_plane import DataPlaneError, make_data_plane
 from pdserve.kv_transfer.messages import Ack, Heartbeat, ReadGrant, ReadGrantReply, Release
 from pdserve.kv_transfer.side_channel import SideChannelClient
-from pdserve.launcher import start_instance
+from pdserve.launcher import start_instance, stop_all
 from server_utils import data_planes, metric_values, wait_until_idle
 
 COMMON = ["--max-model-len", "512", "--num-kv-blocks", "192", "--served-model-name", "tiny"]
@@ -38,8 +38,7 @@ def pd(models, request):
         procs["C"] = start_instance(model, *COMMON, name="C")
         yield {**procs, "plane": plane}
     finally:
-        for proc in procs.values():
-            proc.stop()
+        stop_all(procs.values())
 
 
 def prefill(pd, prompt: list[int]) -> dict:

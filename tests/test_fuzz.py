@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, Phase, event, example, given, settings
 from hypothesis import strategies as st
 from schemathesis.generation import GenerationMode
 
-from pdserve.launcher import start, start_instance
+from pdserve.launcher import start, start_instance, stop_all
 from server_utils import wait_until_idle
 from test_gateway import kv
 
@@ -62,8 +62,7 @@ def pull_pair(models):
                                             "--conditional"]))
         yield {"P": prefill, "D": decode, "gateway": procs[2]}
     finally:
-        for proc in procs:
-            proc.stop()
+        stop_all(procs)
 
 
 @pytest.fixture(scope="module")

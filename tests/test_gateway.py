@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.gateway.policies import LeastLoaded, PrefixAware
 from pdserve.gateway.registry import Instance
-from pdserve.launcher import LaunchError, start, start_command, start_instance
+from pdserve.launcher import LaunchError, start, start_command, start_instance, stop_all
 from server_utils import metric_values, sse_events, wait_for, wait_until_idle
 
 COMMON = ["--max-model-len", "512", "--num-kv-blocks", "192", "--served-model-name", "tiny"]
@@ -35,8 +35,7 @@ def cluster(models):
         procs.append(start_instance(model, *COMMON, name="C"))
         yield {p.name: p for p in procs}
     finally:
-        for proc in procs:
-            proc.stop()
+        stop_all(procs)
 
 
 def gateway(*args: str) -> object:
@@ -294,8 +293,7 @@ def test_sigkill_under_load(models, cluster):
         assert via_gateway(g.url, *body, stream=False) == expected
     finally:
         g.stop()
-        for victim in victims:
-            victim.stop()
+        stop_all(victims)
     idle_everywhere(cluster, ("P1", "D1"))
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from pdserve.launcher import start, start_instance
+from pdserve.launcher import start, start_instance, stop_all
 from server_utils import wait_until_idle
 
 COMMON = ["--max-model-len", "256", "--num-kv-blocks", "64", "--served-model-name", "tiny"]
@@ -25,8 +25,7 @@ def front(models):
                                        "--host", "127.0.0.1", "--port", "0"]))
         yield {"instance": procs[0], "gateway": procs[1]}
     finally:
-        for proc in procs:
-            proc.stop()
+        stop_all(procs)
 
 
 @pytest.fixture(params=["instance", "gateway"])

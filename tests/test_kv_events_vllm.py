@@ -16,7 +16,7 @@ import zmq
 
 from pdserve.kv_events.wire import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode_batch,
                                     encode_batch)
-from pdserve.launcher import start, start_instance
+from pdserve.launcher import start, start_instance, stop_all
 from server_utils import wait_for
 from kv_routing_utils import ask, indexed, legs, live
 from vllm_live import SERVED_NAME, ready, start_vllm, vllm_venv
@@ -80,8 +80,7 @@ def fleet(model, tmp_path_factory):
         ready(vllm)
         yield {"V": vllm, "A": started[1], "publisher": publisher, "ours": ours, "vllm_side": json.loads(out)}
     finally:
-        for proc in started:
-            proc.stop()
+        stop_all(started)
 
 
 def pdserve_payloads(instance) -> list[bytes]:

@@ -16,7 +16,7 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
-from pdserve.launcher import start, start_instance
+from pdserve.launcher import start, start_instance, stop_all
 from pdserve.net.body import DEFAULT_MAX_BODY_BYTES
 from server_utils import wait_until_idle
 
@@ -34,8 +34,7 @@ def stack(models):
                                              "--port", "0", "--log-level", "warning"])
         yield procs
     finally:
-        for proc in procs.values():
-            proc.stop()
+        stop_all(procs.values())
 
 
 def declared_only(url: str, length: int, timeout: float = 30.0) -> tuple[int, dict]:

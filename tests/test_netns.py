@@ -19,7 +19,7 @@ import pytest
 
 from netns import Network, NamespacesUnavailable, leftovers
 from pdserve.kv_transfer.data_plane import DATA_PLANES
-from pdserve.launcher import Process, start, start_instance
+from pdserve.launcher import Process, start, start_instance, stop_all
 from server_utils import CROSS_PROCESS_LOGPROB_TOL, metric_values, wait_for, wait_until_idle
 
 COMMON = ["--max-model-len", "512", "--num-kv-blocks", "192", "--served-model-name", "tiny",
@@ -78,8 +78,7 @@ def fleet(request, network, models) -> Iterator[dict[str, Process]]:
                 "--host", gw.address, "--port", "0", "--log-level", "warning"], wrap=gw.wrap(own_pids=False))
         yield {**procs, "plane": plane}
     finally:
-        for proc in procs.values():
-            proc.stop()
+        stop_all(procs.values())
 
 
 @pytest.fixture(autouse=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdserve.launcher import start, start_instance
+from pdserve.launcher import start, start_instance, stop_all
 
 REPO = Path(__file__).resolve().parent.parent
 COMMON = ["--max-model-len", "256", "--num-kv-blocks", "64", "--served-model-name", "tiny"]
@@ -99,8 +99,7 @@ def test_access_log_line_per_request(models):
         for proc in procs:
             assert any("POST /v1/completions 400" in line for line in _access_lines(proc, "id=acc-bad", 1))
     finally:
-        for proc in procs:
-            proc.stop()
+        stop_all(procs)
 
 
 def test_disable_log_requests(models):

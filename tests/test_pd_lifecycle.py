@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from pdserve.launcher import start_instance
+from pdserve.launcher import start_instance, stop_all
 from server_utils import metric_values, toy_proxy, wait_until_idle
 
 COMMON = ["--max-model-len", "512", "--num-kv-blocks", "128", "--served-model-name", "tiny"]
@@ -32,8 +32,7 @@ def pair(models):
         procs.append(start_instance(model, *COMMON, name="C"))
         yield {"P": procs[0], "D": procs[1], "C": procs[2]}
     finally:
-        for proc in procs:
-            proc.stop()
+        stop_all(procs)
 
 
 def prefill(client: httpx.Client, p_url: str, body: dict) -> dict:

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from pdserve.launcher import start_instance
+from pdserve.launcher import start_instance, stop_all
 from server_utils import CROSS_PROCESS_LOGPROB_TOL, data_planes, metric_values, toy_proxy, wait_until_idle
 
 COMMON = ["--max-model-len", "512", "--num-kv-blocks", "256", "--max-num-batched-tokens", "32",
@@ -32,8 +32,7 @@ def cluster(request, models):
         yield {"P": procs[0], "D": procs[1], "C": procs[2], "plane": plane,
                "block_bytes": procs[0].ready["kv_block_bytes"]}
     finally:
-        for proc in procs:
-            proc.stop()
+        stop_all(procs)
 
 
 @pytest.fixture()

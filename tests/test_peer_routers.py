@@ -8,7 +8,7 @@ import subprocess
 import httpx
 import pytest
 
-from pdserve.launcher import start_instance
+from pdserve.launcher import start_instance, stop_all
 from peers import peer_binary, reserved_port, stop, wait_healthy
 from server_utils import metric_values, sse_events, wait_until_idle
 
@@ -39,8 +39,7 @@ def stack(models):
     finally:
         if router is not None:
             stop(router)
-        for proc in procs:
-            proc.stop()
+        stop_all(procs)
 
 
 @pytest.mark.parametrize("prompt", ["one", "vllm-router drives pdserve instances as if they were vLLM",

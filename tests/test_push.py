@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.ids import new_transfer_id
-from pdserve.launcher import start, start_instance
+from pdserve.launcher import start, start_instance, stop_all
 from server_utils import (CROSS_PROCESS_LOGPROB_TOL, data_planes, metric_values, sse_events, wait_for,
                           wait_until_idle)
 
@@ -47,8 +47,7 @@ def cluster(request, models, tmp_path_factory):
                                        "push", "--port", "0", "--log-level", "warning"]))
         yield {"P": procs[0], "D": procs[1], "C": procs[2], "G": procs[3], "capture": capture}
     finally:
-        for proc in procs:
-            proc.stop()
+        stop_all(procs)
 
 
 @pytest.fixture(autouse=True)

@@ -12,7 +12,7 @@ import uuid
 import httpx
 import pytest
 
-from pdserve.launcher import start, start_instance
+from pdserve.launcher import start, start_instance, stop_all
 from server_utils import metric_values, wait_until_idle
 
 COMMON = ["--max-model-len", "512", "--num-kv-blocks", "128", "--served-model-name", "tiny",
@@ -34,8 +34,7 @@ def cluster(models):
                                                        "warning"]))
         yield {"P": procs[0], "D": procs[1], "pull": procs[2], "push": procs[3]}
     finally:
-        for proc in procs:
-            proc.stop()
+        stop_all(procs)
 
 
 def timelines(url: str, request_id: str) -> list[dict]:

@@ -15,7 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from pdserve.launcher import start, start_instance
+from pdserve.launcher import start, start_instance, stop_all
 
 trace_service = pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2",
                                     reason="the tracing extra (pdserve[tracing]) is not installed")
@@ -84,8 +84,7 @@ def traced(models):
                                        "--log-level", "warning", *flags], env=FAST_EXPORT))
         yield collector, procs[2].url
     finally:
-        for proc in procs:
-            proc.stop()
+        stop_all(procs)
         collector.server.shutdown()
 
 

@@ -12,7 +12,7 @@ import pytest
 from server_utils import assert_json_equal, metric_values, sse_events
 from vllm_live import SERVED_NAME, ready, start_pd, start_vllm
 
-from pdserve.launcher import start, start_instance
+from pdserve.launcher import start, start_instance, stop_all
 
 pytestmark = pytest.mark.vllm
 
@@ -49,8 +49,7 @@ def fleet(models):
         started.append(pdserve)
         yield {"C": colocated, "P": prefill, "D": decode, "pdserve": pdserve, **gateways}
     finally:
-        for proc in reversed(started):
-            proc.stop()
+        stop_all(reversed(started))
 
 
 def post(url: str, path: str, body: dict) -> dict:

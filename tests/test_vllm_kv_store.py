@@ -24,7 +24,7 @@ from pdserve.config import EngineConfig
 from pdserve.kv_store.factory import namespace_for
 from pdserve.kv_store.keys import BlockChain, Namespace
 from pdserve.kv_transfer.factory import weight_fingerprint
-from pdserve.launcher import start_instance
+from pdserve.launcher import start_instance, stop_all
 from peers import reserved_port
 from server_utils import assert_same_answer, completion_body, metric_values, wait_for, wait_until_idle
 from store_servers import store_server
@@ -53,8 +53,7 @@ def shared(models, tmp_path_factory):
         ready(vllm)
         yield {"V": vllm.url, "S": started[-1].url, "redis": redis, "model": model}
     finally:
-        for proc in reversed(started):
-            proc.stop()
+        stop_all(reversed(started))
         redis.stop()
 
 

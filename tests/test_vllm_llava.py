@@ -12,7 +12,7 @@ from server_utils import assert_json_equal
 from test_epd import chat
 from vllm_live import SERVED_NAME, ready, start_vllm, torchvision_shim
 
-from pdserve.launcher import start_instance
+from pdserve.launcher import start_instance, stop_all
 
 pytestmark = pytest.mark.vllm
 
@@ -33,8 +33,7 @@ def llava_pair(tmp_path_factory):
                                       "--served-model-name", SERVED_NAME, name="pdserve"))
         yield {"vllm": ready(vllm), "pdserve": started[1]}
     finally:
-        for proc in reversed(started):
-            proc.stop()
+        stop_all(reversed(started))
 
 
 @pytest.mark.parametrize("seeds", [[1], [2, 3]], ids=["one-image", "two-images"])

@@ -21,7 +21,7 @@ import zmq
 
 from conftest import random_prompt
 from pdserve.kv_transfer.vllm_nixl.wire import AgentMetadata, HandshakePayload, ModelShape, compatibility_hash
-from pdserve.launcher import start_instance
+from pdserve.launcher import start_instance, stop_all
 from peers import reserved_port
 from server_utils import (assert_same_answer, completion_body, gateway_pull_equals_colocated, metric_values, toy_proxy,
                           wait_for, wait_until_idle)
@@ -47,8 +47,7 @@ def pair(models):
         ready(vllm_p)
         yield {"vP": vllm_p.url, "pD": started[1].url, "model": model, "decode": started[1]}
     finally:
-        for proc in reversed(started):
-            proc.stop()
+        stop_all(reversed(started))
 
 
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["one-vllm-block", "three-vllm-blocks"])

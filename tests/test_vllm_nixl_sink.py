@@ -20,7 +20,7 @@ import zmq
 
 from conftest import random_prompt
 from pdserve.kv_transfer.vllm_nixl.wire import AgentMetadata, HandshakePayload
-from pdserve.launcher import start_instance
+from pdserve.launcher import start_instance, stop_all
 from peers import reserved_port
 from server_utils import (disaggregated_equals_colocated, gateway_pull_equals_colocated, metric_values, wait_for,
                           wait_until_idle)
@@ -49,8 +49,7 @@ def pair(models):
         ready(vllm_d)
         yield {"vD": vllm_d.url, "pP": started[1].url, "side_channel": side_channel}
     finally:
-        for proc in reversed(started):
-            proc.stop()
+        stop_all(reversed(started))
 
 
 def assert_p_freed_by_notification(p_url: str, before: dict[str, float]) -> None:

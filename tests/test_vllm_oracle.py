@@ -11,7 +11,7 @@ import pytest
 from server_utils import assert_json_equal
 from vllm_live import SERVED_NAME, ready, start_vllm
 
-from pdserve.launcher import start_instance
+from pdserve.launcher import start_instance, stop_all
 
 pytestmark = pytest.mark.vllm
 
@@ -30,8 +30,7 @@ def pair(request, models):
         ready(vllm)
         yield {"vllm": vllm, "pdserve": started[1]}
     finally:
-        for proc in reversed(started):
-            proc.stop()
+        stop_all(reversed(started))
 
 
 def test_greedy_completion_tokens_and_logprobs_equal_vllm(pair):

@@ -20,7 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import random_prompt
-from pdserve.launcher import LaunchError, start, start_instance
+from pdserve.launcher import LaunchError, start, start_instance, stop_all
 from peers import reserved_port
 from server_utils import metric_values, toy_proxy
 from vllm_live import ready, start_vllm, vllm_pulled
@@ -55,8 +55,7 @@ def fleet(models):
         ready(procs["vD"])
         yield procs
     finally:
-        for proc in procs.values():
-            proc.stop()
+        stop_all(procs.values())
 
 
 def body(prompt: list[int], **extra) -> dict:

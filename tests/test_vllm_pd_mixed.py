@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from conftest import random_prompt
-from pdserve.launcher import start, start_instance
+from pdserve.launcher import start, start_instance, stop_all
 from peers import reserved_port
 from server_utils import (CROSS_PROCESS_LOGPROB_TOL, assert_same_answer, completion_body, metric_values, sse_events,
                           wait_for, wait_until_idle)
@@ -64,8 +64,7 @@ def mixed(models):
                 started.append(gateways[gateway(direction, protocol)])
         yield {"V": vllm.url, "S": pdserve, **{name: g.url for name, g in gateways.items()}}
     finally:
-        for proc in reversed(started):
-            proc.stop()
+        stop_all(reversed(started))
 
 
 def gateway(direction: str, protocol: str) -> str:

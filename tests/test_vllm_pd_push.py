@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from conftest import random_prompt
-from pdserve.launcher import start
+from pdserve.launcher import start, stop_all
 from peers import reserved_port
 from server_utils import CROSS_PROCESS_LOGPROB_TOL, assert_same_answer, metric_values, sse_events, wait_for
 from test_vllm_pd_connector import complete, external_tokens
@@ -51,8 +51,7 @@ def pair(models, tmp_path_factory):
                                               "--decode", d.url, "--protocol", protocol]))
         yield {"P": p.url, "D": d.url, "capture": capture, "side_channel": side_channel, **{protocol: g.url for protocol, g in zip(PROTOCOLS, gateways)}}
     finally:
-        for g in gateways:
-            g.stop()
+        stop_all(gateways)
         p.stop()
         d.stop()
 

@@ -14,7 +14,8 @@ _.decoder
 _.post_processor
 # A field of the CLIP vision config as Hugging Face writes it: parsed with the rest, the tower is RGB-only.
 num_channels
-# asyncio.Protocol callbacks (the event loop calls them) and httptools parser callbacks (the parser calls them).
+# asyncio.Protocol callbacks (the event loop calls them, flow control included) and httptools parser callbacks
+# (the parser calls them).
 _.connection_made
 _.data_received
 _.connection_lost
@@ -23,6 +24,10 @@ _.on_header
 _.on_headers_complete
 _.on_body
 _.on_message_complete
+_.on_message_begin
+_.on_url
+_.pause_writing
+_.resume_writing
 # FastAPI route handlers and exception handlers, registered by their decorators.
 chat_completions
 prometheus

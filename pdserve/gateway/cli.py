@@ -80,6 +80,8 @@ def add_gateway_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
                    type=str.lower, help="log level")
     p.add_argument("--disable-log-requests", action="store_true", help="no access-log line per request")
+    p.add_argument("--http-server", choices=["pdserve", "uvicorn"], default="pdserve",
+                   help="the HTTP/1.1 server in front: pdserve's own (cheaper per request) or uvicorn's")
     p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                    help="export request timelines as OpenTelemetry spans (needs pdserve[tracing])")
     return p
@@ -158,10 +160,12 @@ def _run(args: argparse.Namespace) -> int:
         uvloop.install()
     except ImportError:
         pass
-    return asyncio.run(_serve(gateway, sock, admin_sock, args.log_level, not args.disable_log_requests))
+    return asyncio.run(_serve(gateway, sock, admin_sock, args.log_level, not args.disable_log_requests,
+                              args.http_server))
 
 
-async def _serve(gateway: Gateway, sock: Any, admin_sock: Any, log_level: str, log_requests: bool) -> int:
+async def _serve(gateway: Gateway, sock: Any, admin_sock: Any, log_level: str, log_requests: bool,
+                 http: str) -> int:
     from pdserve.gateway.admin import ADMIN_PATHS
     from pdserve.gateway.app import build_app
 
@@ -182,7 +186,7 @@ async def _serve(gateway: Gateway, sock: Any, admin_sock: Any, log_level: str, l
     try:
         await serve_announced(build_app(gateway, access, log_requests), sock, log_level, {
             "role": "gateway", "protocol": gateway.config.protocol, "scheduling": gateway.config.scheduling},
-            admin_sock, proxy_headers=False)
+            admin_sock, proxy_headers=False, http=http)
     finally:
         await gateway.stop()
     return 0

@@ -1,4 +1,5 @@
-"""Listening sockets and serving an ASGI app with uvicorn, for both kinds of process (instance and gateway).
+"""Listening sockets and serving an ASGI app (uvicorn, or pdserve's own HTTP/1.1 server), for both kinds of
+process (instance and gateway).
 Nothing here imports the engine or torch: the gateway is a light process and must stay one."""
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import socket
 from collections.abc import Callable
 
 import uvicorn
+
+from pdserve.net.http1 import Http1Server
 
 # Longer than any client pool's idle timeout, so the server never closes a connection a gateway is reusing.
 KEEP_ALIVE_S = 75
@@ -67,12 +70,14 @@ class _Server(uvicorn.Server):
 async def serve_announced(app: object, sock: socket.socket, log_level: str, fields: dict[str, object],
                           admin_sock: socket.socket | None = None,
                           drain: Callable[[Callable[[], None]], Callable[[], None]] | None = None,
-                          proxy_headers: bool = True) -> None:
-    """Serve `app` on `sock` with uvicorn (httptools; no WebSocket protocol, as no route speaks one), and print the
-    ready line once it accepts connections.
+                          proxy_headers: bool = True, http: str = "uvicorn") -> None:
+    """Serve `app` on `sock` and print the ready line once it accepts connections: with uvicorn (httptools; no
+    WebSocket protocol, as no route speaks one), or with `http="pdserve"` on pdserve's own HTTP/1.1 server
+    (pdserve.net.http1: the gateway's default, for its per-request cost).
 
     `proxy_headers=False` leaves out uvicorn's X-Forwarded-For middleware, a layer every request crosses: for an app
     that reads the client's address only to log it (pdserve.net.auth.peer names the forwarded-for client itself).
+    pdserve's server has no such layer.
 
     With `admin_sock`, the same app is served there too (it tells the two apart by the local port), and the
     ready line carries `admin_port`. With `drain`, SIGTERM calls what `drain(stop)` returned instead of stopping
@@ -82,12 +87,18 @@ async def serve_announced(app: object, sock: socket.socket, log_level: str, fiel
     if admin_sock is not None:
         sockets.append(admin_sock)
         fields = {**fields, "admin_port": admin_sock.getsockname()[1]}
-    server = _Server(uvicorn.Config(app, log_level=log_level.lower(), access_log=False, lifespan="off",
-                                    timeout_keep_alive=KEEP_ALIVE_S, http="httptools", ws="none",
-                                    proxy_headers=proxy_headers))
+    server: _Server | Http1Server
+    if http == "pdserve":
+        server = Http1Server(app, keep_alive_s=KEEP_ALIVE_S)
+        stop: Callable[[], None] = server.stop
+    else:
+        server = _Server(uvicorn.Config(app, log_level=log_level.lower(), access_log=False, lifespan="off",
+                                        timeout_keep_alive=KEEP_ALIVE_S, http="httptools", ws="none",
+                                        proxy_headers=proxy_headers))
+        stop = lambda: setattr(server, "should_exit", True)  # noqa: E731 - uvicorn's own way to stop
     if drain is not None:
         loop = asyncio.get_running_loop()
-        on_term = drain(lambda: setattr(server, "should_exit", True))
+        on_term = drain(stop)
         server.on_sigterm = lambda: loop.call_soon_threadsafe(on_term)
 
     async def ready_when_started() -> None:
