@@ -392,8 +392,7 @@ def test_a_release_of_kv_no_longer_held_is_not_counted_as_made(models, recorded)
         assert samples[not_made] == 1
         assert metric_values(p.url)["pdserve:kv_lease_expired_requests_total"] == 1
     finally:
-        g.stop()
-        p.stop()
+        stop_all([g, p])
 
 
 def test_no_release_is_sent_to_vllm_nor_counted(recorded):

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from pdserve.kv_events import native
-from pdserve.launcher import start, start_instance
+from pdserve.launcher import start, start_instance, stop_all
 from kv_routing_utils import ask, indexed, legs, live, samples
 from peers import reserved_port
 from server_utils import metric_values, wait_for, wait_until_idle
@@ -50,9 +50,7 @@ def fleet(model):
             procs[name] = future.result()
         yield procs
     finally:
-        for future in futures.values():
-            if future.exception() is None:
-                future.result().stop()
+        stop_all(future.result() for future in futures.values() if future.exception() is None)
 
 
 def gateway(model, *args: str):

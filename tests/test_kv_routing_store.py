@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from kv_routing_utils import ask, legs, live, samples
-from pdserve.launcher import start, start_instance
+from pdserve.launcher import start, start_instance, stop_all
 from peers import reserved_port
 from server_utils import metric_values, wait_for, wait_until_idle
 from store_servers import store_server
@@ -40,9 +40,7 @@ def fleet(models, tmp_path_factory):
     try:
         yield model, {name: future.result() for name, future in futures.items()}
     finally:
-        for future in futures.values():
-            if future.exception() is None:
-                future.result().stop()
+        stop_all(future.result() for future in futures.values() if future.exception() is None)
         redis.stop()
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdserve.launcher import start, start_command, start_instance
+from pdserve.launcher import start, start_command, start_instance, stop_all
 from pdserve.membership.etcd_client import EtcdClient
 from pdserve.membership.record import decode_record, member_key
 import etcd_cluster
@@ -167,8 +167,7 @@ def test_crash_leaves_within_the_lease_and_a_drain_leaves_at_once(fleet):
             assert load.failures == [] and load.count > 0
         assert "is draining: no new work" in static.log_tail(100000)
     finally:
-        static.stop()
-        drained.stop()
+        stop_all([static, drained])
     for name in "BPD":
         wait_until_idle(procs[name].url)
 
@@ -191,8 +190,7 @@ def test_a_gateway_killed_and_an_instance_stopped_under_load_lose_nothing(fleet)
         assert load.retried > 0  # the dead gateway's share went to the other one
         wait_for(lambda: extra.url not in members(procs["G1"]), 10, "a stopped instance gone")
     finally:
-        extra.stop()
-        g3.stop()
+        stop_all([extra, g3])
 
 
 def test_etcd_member_loss_quorum_loss_and_an_empty_etcd(fleet, etcd):
@@ -239,8 +237,7 @@ def test_sidecar_holds_a_registration_while_health_answers(fleet, tmp_path):
         assert sidecar.popen.wait(20) == 0
         wait_for(lambda: vllm.url not in members(g1), 20, "a stopped sidecar's registration gone")
     finally:
-        sidecar.stop()
-        vllm.stop()
+        stop_all([sidecar, vllm])
 
 
 def test_an_instance_answering_as_another_model_is_not_routed_to(fleet):

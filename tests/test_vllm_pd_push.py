@@ -52,8 +52,7 @@ def pair(models, tmp_path_factory):
         yield {"P": p.url, "D": d.url, "capture": capture, "side_channel": side_channel, **{protocol: g.url for protocol, g in zip(PROTOCOLS, gateways)}}
     finally:
         stop_all(gateways)
-        p.stop()
-        d.stop()
+        stop_all([p, d])
 
 
 def idle(pair) -> None:

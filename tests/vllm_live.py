@@ -31,7 +31,7 @@ from peers import cache_lock, reserved_port, wait_healthy
 from server_utils import metric_values
 
 from pdserve.forkserver import ForkedChild, fork
-from pdserve.launcher import Process, start, start_command
+from pdserve.launcher import Process, start, start_command, stop_all
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_VENV = ROOT / ".cache" / "vllm"
@@ -255,8 +255,7 @@ def start_pd(model: Path | str, **kwargs) -> tuple[VllmInstance, VllmInstance]:
         ready(prefill)
         ready(decode)
     except BaseException:
-        prefill.stop()
-        decode.stop()
+        stop_all([prefill, decode])
         raise
     return prefill, decode
 
@@ -280,8 +279,7 @@ def pd_connector_pull(model: Path | str, producer: dict, consumer: dict) -> Iter
         finally:
             gateway.stop()
     finally:
-        p.stop()
-        d.stop()
+        stop_all([p, d])
 
 
 def ready(instance: VllmInstance, timeout: float = 300.0) -> VllmInstance:
