@@ -16,9 +16,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Iterable
 from typing import Any
 
 from pdserve.forkserver import ENV_VAR as FORKSERVER_ENV

@@ -213,17 +213,22 @@ def test_the_app_is_told_when_its_client_leaves():
     asyncio.run(run())
 
 
-def test_an_unread_upload_is_not_buffered_past_the_high_water_mark():
-    release = None
+class GatedEcho:
+    """The echo app, holding every request until `gate` is set (asyncio's events bind to a loop when first used)."""
 
-    async def slow(scope, receive, send):
-        await release.wait()
+    def __init__(self) -> None:
+        self.gate = asyncio.Event()
+
+    async def __call__(self, scope, receive, send) -> None:
+        await self.gate.wait()
         await echo(scope, receive, send)
 
+
+def test_an_unread_upload_is_not_buffered_past_the_high_water_mark():
+    app = GatedEcho()
+
     async def run():
-        nonlocal release
-        release = asyncio.Event()
-        async with Served(slow) as s:
+        async with Served(app) as s:
             size = 8 << 20
             reader, writer = await asyncio.open_connection("127.0.0.1", s.port)
             writer.write(b"POST /big HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % size)
@@ -231,7 +236,7 @@ def test_an_unread_upload_is_not_buffered_past_the_high_water_mark():
             await asyncio.sleep(0.5)
             (conn,) = s.server.connections
             assert len(conn.current.body) < 1 << 20 and not sender.done()  # held back by TCP, not in memory
-            release.set()
+            app.gate.set()
             await asyncio.wait_for(sender, 10)
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
             length = int(head.split(b"content-length: ")[1].split(b"\r\n")[0])
@@ -275,16 +280,10 @@ def test_a_client_that_does_not_read_holds_back_a_stream():
 
 
 def test_idle_connections_close_and_a_stop_lets_requests_in_flight_finish():
-    gate = None
-
-    async def held(scope, receive, send):
-        await gate.wait()
-        await echo(scope, receive, send)
+    app = GatedEcho()
 
     async def run():
-        nonlocal gate
-        gate = asyncio.Event()
-        async with Served(held, keep_alive_s=0.3) as s:
+        async with Served(app, keep_alive_s=0.3) as s:
             reader, writer = await asyncio.open_connection("127.0.0.1", s.port)
             assert await asyncio.wait_for(reader.read(), 5) == b""  # idle past keep-alive: closed by the server
             writer.close()
@@ -295,7 +294,7 @@ def test_idle_connections_close_and_a_stop_lets_requests_in_flight_finish():
             await asyncio.sleep(0.1)
             with pytest.raises(OSError):
                 await asyncio.open_connection("127.0.0.1", s.port)  # no longer accepting
-            gate.set()
+            app.gate.set()
             got = responses(await asyncio.wait_for(reader.read(), 5))
             assert [g[0] for g in got] == [201] and got[0][1]["connection"] == "close"
             writer.close()

@@ -14,7 +14,6 @@ from http import HTTPStatus
 from typing import Any
 
 log = logging.getLogger("pdserve.server")
-_DISCONNECT = {"type": "http.disconnect"}
 STATUS_LINES = {int(s): f"HTTP/1.1 {int(s)} {s.phrase}\r\n".encode() for s in HTTPStatus}
 _NO_BODY = (204, 304)
 
@@ -114,7 +113,7 @@ class Exchange:
         # The whole body was handed over: what is left to tell is the client leaving, or the answer having gone.
         while not (self.disconnected or self.complete):
             await self._wait()
-        return _DISCONNECT
+        return {"type": "http.disconnect"}
 
     async def send(self, message: dict) -> None:
         conn = self.conn
