@@ -18,7 +18,6 @@ import json
 import re
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
@@ -59,7 +58,7 @@ def main() -> int:
     ap.add_argument("--connections", type=int, default=32, help="wrk's -c: 32, or 1 for one request at a time")
     args = ap.parse_args()
     cleanup = H.Cleanup()
-    work = Path(tempfile.mkdtemp(prefix="pdserve-callgrind-"))
+    work = cleanup.work_dir("callgrind")  # removed at exit, with the callgrind dumps in it
     stubs = [G.spawn(f"stub-{r[0].upper()}", [sys.executable, str(BENCH / "stub_backend.py"), "--port", "0", "--role",
                                                r, "--kind", args.instances], work, cleanup, ready_line=True)
              for r in ("prefill", "decode")]

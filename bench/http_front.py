@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -82,6 +83,7 @@ def main() -> int:
         for proc, _ in servers.values():
             proc.terminate()
             proc.wait(10)
+        shutil.rmtree(lua.parent, ignore_errors=True)
     print("| c | pdserve µs/request | uvicorn µs/request | pdserve / uvicorn (per round) |\n|---|---|---|---|")
     for conns in (1, 32):
         ours, theirs = cost["pdserve", conns], cost["uvicorn", conns]
