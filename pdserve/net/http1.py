@@ -41,12 +41,10 @@ class _HeadTooLarge(Exception):
 class Http1Server:
     """Serves one ASGI app on listening sockets until a signal or `stop()`; then drains as the module says."""
 
-    def __init__(self, app: Any, keep_alive_s: float, graceful_s: float = 30.0,
-                 max_head_bytes: int = MAX_HEAD_BYTES) -> None:
+    def __init__(self, app: Any, keep_alive_s: float, graceful_s: float = 30.0) -> None:
         self.app = app
         self.keep_alive_s = keep_alive_s
         self.graceful_s = graceful_s
-        self.max_head_bytes = max_head_bytes
         self.clock = Clock()
         self.connections: set[_Connection] = set()
         self.tasks: set[asyncio.Task] = set()
@@ -254,7 +252,7 @@ class _Connection(asyncio.Protocol):
 
     def _count(self, size: int) -> None:
         self._head_bytes += size
-        if self._head_bytes > self.server.max_head_bytes:
+        if self._head_bytes > MAX_HEAD_BYTES:
             raise _HeadTooLarge
 
     def _start(self, exchange: Exchange) -> None:

@@ -85,7 +85,7 @@ class Exchange:
         else:
             if not self.complete and not self.disconnected:
                 log.error("the ASGI application returned without %s its response on %s %s",
-                          "completing" if self.head is not None or self.status else "starting",
+                          "completing" if self.status else "starting",
                           self.scope["method"], self.scope["path"])
                 self._abort()
 
