@@ -180,7 +180,7 @@ def run(url: str, convs: list[list[list[dict]]], salt: str, concurrency: int, ra
             for t in range(len(convs[c])):
                 send(http, c, t)
 
-        threads = [threading.Thread(target=conversation, args=(c,)) for c in arrivals]
+        threads = [threading.Thread(target=conversation, args=(c,), daemon=True) for c in arrivals]
     else:
         pending = [(c, 0) for c in order(convs)]
         in_flight = [0]
@@ -202,7 +202,9 @@ def run(url: str, convs: list[list[list[dict]]], salt: str, concurrency: int, ra
                         pending.append((c, t + 1))
                     lock.notify_all()
 
-        threads = [threading.Thread(target=client) for _ in range(concurrency)]
+        threads = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
+    # Daemon threads: on Ctrl-C or SIGTERM the interpreter would wait for every client to send all its requests
+    # before the cleanup stops the instances.
     for th in threads:
         th.start()
     for th in threads:
