@@ -18,6 +18,7 @@ from pdserve.kv_events.config import KVEventsConfig, PublisherAddress
 from pdserve.kv_events.index import PrefixIndex
 from pdserve.kv_events import listener as listener_module
 from pdserve.kv_events.listener import Listener
+from pdserve.kv_events.metrics import KVIndexCollector
 from pdserve.kv_events.publisher import KVEventPublisher
 from pdserve.kv_events.wire import AllBlocksCleared, BlockRemoved, KVEventBatch, encode_batch
 from server_utils import wait_for
@@ -344,5 +345,32 @@ def test_in_a_loop_live_batches_are_read_when_the_index_is_about_to_be_read(ipc,
             in_loop(listener._loop, listener.catch_up)
             return held(index, chain(100), BS, "p")
         wait_for(lambda: caught_up() == 100, what="catch_up to read every batch")
+    finally:
+        publisher.close()
+
+
+def test_a_scrape_reads_the_batches_that_came_since_the_last_pick(ipc, listening, monkeypatch):
+    """`/metrics` right after a request shows its blocks: the collector catches up first, as a pick does."""
+    monkeypatch.setattr(listener_module, "_LOOP_TICK_S", 600.0)
+    publisher = KVEventPublisher(ipc("p"), block_size=BS)
+    index, listener = listening()
+    try:
+        listener.set_members({"p": publisher.address()})
+        wait_for(lambda: state(listener, "p") == "live", what="the subscription")
+        time.sleep(0.3)  # a SUB's subscription reaches a PUB a moment after it connects
+        publish_blocks(publisher, 0, 5)
+        wait_for(lambda: publisher.batches == 5, what="the publisher to send")
+        time.sleep(0.3)
+        scraped = []
+
+        def scrape() -> None:
+            [blocks] = [f for f in KVIndexCollector(index, listener).collect()
+                        if f.name == "pdserve:gateway_kv_index_blocks"]
+            scraped.append({s.labels["instance"]: s.value for s in blocks.samples})
+        if listener._loop is None:
+            wait_for(lambda: scrape() or scraped[-1].get("p") == 5, what="the thread to read the batches")
+        else:
+            in_loop(listener._loop, scrape)
+            assert scraped[-1] == {"p": 5.0}
     finally:
         publisher.close()

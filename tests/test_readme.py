@@ -129,6 +129,14 @@ def test_fleet_block(tmp_path):
     assert completion(output)["choices"][0]["text"]
 
 
+def test_kv_routing_block(tmp_path):
+    [block] = bash_blocks("KV-aware routing")
+    output = run_block(block, tmp_path)
+    assert completion(output)["object"] == "chat.completion"
+    held = sorted(float(v) for v in re.findall(r'pdserve:gateway_kv_index_blocks\{instance="[^"]+"\} (\S+)', output))
+    assert len(held) == 2 and held[0] == 0 and held[1] > 0, f"the scrape after the request shows {held}"
+
+
 def test_timeline_block(tmp_path):
     [block] = bash_blocks("Request timelines and traces")
     timelines = [obj for obj in json_objects(run_block(block, tmp_path)) if "data" in obj]

@@ -25,6 +25,9 @@ class KVIndexCollector:
         self.listener = listener
 
     def collect(self):
+        # A scrape reads the index as of now. In the gateway's loop the live batches are otherwise applied only at a
+        # pick and on the listener's timer (once a second), so a scrape right after a request would miss its blocks.
+        self.listener.catch_up()
         held = GaugeMetricFamily("pdserve:gateway_kv_index_blocks", "Blocks the index credits to each instance "
                                  "(confirmed by its events).", labels=["instance"])
         for member, count in self.index.held_blocks().items():
