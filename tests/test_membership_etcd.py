@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -72,6 +73,15 @@ def fleet(etcd, models):
         for name, proc in procs.items():
             if name != "oracle":
                 proc.stop()
+
+
+def exit_status(proc, seconds: float) -> int:
+    """A drained instance's exit status; past `seconds`, a failure that carries its log (the drain's own lines say
+    what it waited for)."""
+    try:
+        return proc.popen.wait(seconds)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{proc.name} did not exit within {seconds} s of its drain:\n{proc.log_tail(6000)}")
 
 
 def members(g) -> set[str]:
@@ -158,7 +168,7 @@ def test_crash_leaves_within_the_lease_and_a_drain_leaves_at_once(fleet):
         loads = [_load(g, procs["oracle"], seconds=4.0) for g in (g1, static)]
         assert httpx.post(drained.url + "/admin/drain", json={}).status_code == 401  # behind the admin token
         assert httpx.post(drained.url + "/admin/drain", headers=ADMIN, json={}).status_code == 202
-        assert drained.popen.wait(30) == 0
+        assert exit_status(drained, 30) == 0
         for g in (g1, g2):
             wait_for(lambda g=g: drained.url not in members(g), 5, "a drained instance gone")
         assert changes(g1, "left") == left + 1
@@ -184,7 +194,7 @@ def test_a_gateway_killed_and_an_instance_stopped_under_load_lose_nothing(fleet)
         wait_for(lambda: load.count >= 3, 30, "some requests through both gateways")
         g3.kill()
         extra.popen.send_signal(signal.SIGTERM)
-        assert extra.popen.wait(30) == 0
+        assert exit_status(extra, 30) == 0
         load.join()
         assert load.failures == [] and load.count > 3
         assert load.retried > 0  # the dead gateway's share went to the other one
