@@ -9,7 +9,9 @@ import asyncio
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import pytest
 import zmq
@@ -64,11 +66,11 @@ def listening(request):
         loop.close()
 
 
-def in_loop(loop: asyncio.AbstractEventLoop, call: Callable, *args) -> None:
-    """`call(*args)` in `loop`'s thread, waited for."""
-    async def run() -> None:
-        call(*args)
-    asyncio.run_coroutine_threadsafe(run(), loop).result(10)
+def in_loop(loop: asyncio.AbstractEventLoop, call: Callable, *args) -> Any:
+    """`call(*args)` in `loop`'s thread, waited for; what it returned."""
+    async def run() -> Any:
+        return call(*args)
+    return asyncio.run_coroutine_threadsafe(run(), loop).result(10)
 
 
 def stall(listener: Listener) -> Callable[[], None]:
@@ -324,53 +326,47 @@ def test_the_listener_builds_the_index_its_batches_build_applied_directly(ipc, l
         publisher.close()
 
 
-def test_in_a_loop_live_batches_are_read_when_the_index_is_about_to_be_read(ipc, listening, monkeypatch):
-    """In the gateway's loop the live sockets are not watched: `catch_up` (before each pick) reads them. With the
-    timer that otherwise reads them between picks out of the way, `catch_up` alone brings every batch in."""
+@contextmanager
+def sent_unread(ipc, listening, monkeypatch, count: int) -> Iterator[tuple[PrefixIndex, Listener]]:
+    """A live subscription to a publisher that has sent `count` chained one-block batches, with the loop's timer,
+    which would otherwise read them between picks, out of the way."""
     monkeypatch.setattr(listener_module, "_LOOP_TICK_S", 600.0)
     publisher = KVEventPublisher(ipc("p"), block_size=BS)
     index, listener = listening()
     try:
-        if listener._loop is None:
-            pytest.skip("a listener in its own thread reads every batch as it comes")
         listener.set_members({"p": publisher.address()})
         wait_for(lambda: state(listener, "p") == "live", what="the subscription")
         time.sleep(0.3)  # a SUB's subscription reaches a PUB a moment after it connects
-        publish_blocks(publisher, 0, 100)  # more than one turn's budget
-        wait_for(lambda: publisher.batches == 100, what="the publisher to send")
+        publish_blocks(publisher, 0, count)
+        wait_for(lambda: publisher.batches == count, what="the publisher to send")
         time.sleep(0.3)
+        yield index, listener
+    finally:
+        publisher.close()
+
+
+def test_in_a_loop_live_batches_are_read_when_the_index_is_about_to_be_read(ipc, listening, monkeypatch):
+    """In the gateway's loop the live sockets are not watched: `catch_up` (before each pick) reads them. With the
+    timer that otherwise reads them between picks out of the way, `catch_up` alone brings every batch in."""
+    with sent_unread(ipc, listening, monkeypatch, 100) as (index, listener):  # more than one turn's budget
+        if listener._loop is None:
+            pytest.skip("a listener in its own thread reads every batch as it comes")
         assert listener.snapshot()["p"][1].batches == 0  # nothing read them yet
 
         def caught_up() -> float:
             in_loop(listener._loop, listener.catch_up)
             return held(index, chain(100), BS, "p")
         wait_for(lambda: caught_up() == 100, what="catch_up to read every batch")
-    finally:
-        publisher.close()
 
 
 def test_a_scrape_reads_the_batches_that_came_since_the_last_pick(ipc, listening, monkeypatch):
     """`/metrics` right after a request shows its blocks: the collector catches up first, as a pick does."""
-    monkeypatch.setattr(listener_module, "_LOOP_TICK_S", 600.0)
-    publisher = KVEventPublisher(ipc("p"), block_size=BS)
-    index, listener = listening()
-    try:
-        listener.set_members({"p": publisher.address()})
-        wait_for(lambda: state(listener, "p") == "live", what="the subscription")
-        time.sleep(0.3)  # a SUB's subscription reaches a PUB a moment after it connects
-        publish_blocks(publisher, 0, 5)
-        wait_for(lambda: publisher.batches == 5, what="the publisher to send")
-        time.sleep(0.3)
-        scraped = []
-
-        def scrape() -> None:
+    with sent_unread(ipc, listening, monkeypatch, 5) as (index, listener):
+        def scrape() -> dict[str, float]:
             [blocks] = [f for f in KVIndexCollector(index, listener).collect()
                         if f.name == "pdserve:gateway_kv_index_blocks"]
-            scraped.append({s.labels["instance"]: s.value for s in blocks.samples})
+            return {s.labels["instance"]: s.value for s in blocks.samples}
         if listener._loop is None:
-            wait_for(lambda: scrape() or scraped[-1].get("p") == 5, what="the thread to read the batches")
+            wait_for(lambda: scrape().get("p") == 5, what="the thread to read the batches")
         else:
-            in_loop(listener._loop, scrape)
-            assert scraped[-1] == {"p": 5.0}
-    finally:
-        publisher.close()
+            assert in_loop(listener._loop, scrape) == {"p": 5.0}
