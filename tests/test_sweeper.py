@@ -18,10 +18,11 @@ def test_due_entries_are_acted_on_and_discarded_ones_are_not() -> None:
     async def run() -> list[str]:
         sweeper = Sweeper(0.02)
         fired: list[str] = []
-        sweeper.add("kept", 0.01, fired.append)
-        sweeper.add("dropped", 0.01, fired.append)
+        loop = asyncio.get_running_loop()
+        sweeper.add("kept", 0.01, fired.append, loop)
+        sweeper.add("dropped", 0.01, fired.append, loop)
         sweeper.discard("dropped")
-        sweeper.add("later", 0.2, fired.append)
+        sweeper.add("later", 0.2, fired.append, loop)
         await _until(lambda: "later" in fired)
         await _until(lambda: sweeper._timer is None)  # nothing pending: the sweeper's timer stops
         return fired
@@ -34,10 +35,10 @@ def test_a_new_event_loop_starts_clean() -> None:
     fired: list[str] = []
 
     async def leave_pending() -> None:
-        sweeper.add("on the first loop", 3600, fired.append)
+        sweeper.add("on the first loop", 3600, fired.append, asyncio.get_running_loop())
 
     async def on_second_loop() -> None:
-        sweeper.add("on the second loop", 0.01, fired.append)
+        sweeper.add("on the second loop", 0.01, fired.append, asyncio.get_running_loop())
         await _until(lambda: fired)
 
     asyncio.run(leave_pending())

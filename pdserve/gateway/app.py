@@ -50,10 +50,10 @@ async def _until_disconnect(receive: Any, work: Any, response: AccessRecord, wat
     work left then (a leg's last bookkeeping) is let finish, so a served request is not counted as cancelled.
     """
     task = asyncio.current_task()
-    loop = asyncio.get_running_loop()
+    loop = task.get_loop()
     watchers: list[asyncio.Task] = []
     watch.add(task, WATCH_AFTER_S, lambda _: watchers.append(
-        loop.create_task(_cancel_on_disconnect(receive, task, response))))
+        loop.create_task(_cancel_on_disconnect(receive, task, response))), loop)
     try:
         await work
     except asyncio.CancelledError:

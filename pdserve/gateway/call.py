@@ -34,6 +34,15 @@ _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.decode
 
 
+class _Usage(msgspec.Struct):
+    """An answer's usage alone: the rest of the document is parsed past, not built."""
+
+    usage: Any = None
+
+
+_decode_usage = msgspec.json.Decoder(_Usage).decode
+
+
 class Stage(enum.Enum):
     CREATED = "created"
     PREFILL_SENT = "prefill_sent"
@@ -371,16 +380,23 @@ class Call:
 
     # -- usage: prompt and cached tokens from P, completion tokens from D ----------------------------------
     def merge_usage(self, raw: bytes) -> bytes:
+        """D's answer with P's prompt and cached tokens. When they change nothing (P and D counted the prompt
+        alike, and P found no more of it cached than D says), D's own bytes go out: not parsed whole and written
+        again, which was the costliest thing the gateway did with an answer."""
         if self.prefill_usage is None:
             return raw
         try:
-            data = _decode(raw)
-        except msgspec.DecodeError:
+            usage = _decode_usage(raw).usage
+        except msgspec.DecodeError:  # not JSON, or not an object (a ValidationError is one)
             return raw
-        if isinstance(data, dict) and isinstance(data.get("usage"), dict):
-            data["usage"] = merged_usage(self.prefill_usage, data["usage"])
-            return _encode(data)
-        return raw
+        if not isinstance(usage, dict):
+            return raw
+        merged = merged_usage(self.prefill_usage, usage)
+        if merged == usage:
+            return raw
+        data = _decode(raw)
+        data["usage"] = merged
+        return _encode(data)
 
     def rewrite_usage(self, events: bytes) -> bytes:
         if self.prefill_usage is None or b'"usage"' not in events:

@@ -134,6 +134,7 @@ class _Connection(asyncio.Protocol):
         # owed before the close still go out (the close then drops the rest, as HTTP/1.1 says).
         self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
         self.transport: Any = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # kept: asking asyncio for it is a system call a time
         self.local: tuple[str, int] | None = None
         self.remote: tuple[str, int] | None = None
         self.current: Exchange | None = None  # the request being answered
@@ -152,6 +153,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
+        self.loop = asyncio.get_running_loop()
         self.server.connections.add(self)
         self.local = _address(transport.get_extra_info("sockname"))
         self.remote = _address(transport.get_extra_info("peername"))
@@ -189,7 +191,7 @@ class _Connection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         if self.drained is None or self.drained.done():
-            self.drained = asyncio.get_running_loop().create_future()
+            self.drained = self.loop.create_future()
 
     def resume_writing(self) -> None:
         if self.drained is not None and not self.drained.done():
@@ -257,7 +259,7 @@ class _Connection(asyncio.Protocol):
 
     def _start(self, exchange: Exchange) -> None:
         self.current = exchange
-        task = asyncio.get_running_loop().create_task(exchange.run(self.server.app))
+        task = self.loop.create_task(exchange.run(self.server.app))
         self.server.tasks.add(task)
         task.add_done_callback(self.server.tasks.discard)
 

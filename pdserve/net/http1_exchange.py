@@ -66,7 +66,7 @@ class Exchange:
         self.wake()
 
     async def _wait(self) -> None:
-        self.waiter = asyncio.get_running_loop().create_future()
+        self.waiter = self.conn.loop.create_future()
         try:
             await self.waiter
         finally:

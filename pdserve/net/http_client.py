@@ -38,6 +38,7 @@ class _Connection(asyncio.Protocol):
     def __init__(self, pool: HttpPool) -> None:
         self.pool = pool
         self.transport: asyncio.Transport | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # kept: asking asyncio for it is a system call a time
         self.parser = httptools.HttpResponseParser(self)
         self.response: Response | None = None
         self.closed = False
@@ -47,6 +48,7 @@ class _Connection(asyncio.Protocol):
     # -- asyncio.Protocol -----------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.loop = asyncio.get_running_loop()
 
     def data_received(self, data: bytes) -> None:
         self.received = True
@@ -165,13 +167,13 @@ class Response:
 
     async def _wait(self, timeout: float | None, stage: str) -> None:
         """Until the connection has news for this response (or `timeout` passed: abort, UpstreamTimeout)."""
-        loop = asyncio.get_running_loop()
+        loop = self._conn.loop
         waiter = self._waiter = loop.create_future()
         timer = sweeper = None
         if timeout is not None:
             if timeout >= _SWEPT_FROM_S:
                 sweeper = self._conn.pool.deadlines
-                sweeper.add(waiter, timeout, _expire)
+                sweeper.add(waiter, timeout, _expire, loop)
             else:
                 timer = loop.call_later(timeout, _expire, waiter)
         try:
@@ -210,7 +212,8 @@ class Response:
 
     async def read(self, timeout: float | None = None) -> bytes:
         """The whole body, within `timeout` from now."""
-        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        loop = self._conn.loop
+        deadline = None if timeout is None else loop.time() + timeout
         parts = []
         while True:
             while self._chunks:
@@ -219,7 +222,7 @@ class Response:
                 return b"".join(parts)
             if self._exc is not None:
                 raise self._exc
-            left = None if deadline is None else max(deadline - asyncio.get_running_loop().time(), 0.0)
+            left = None if deadline is None else max(deadline - loop.time(), 0.0)
             try:
                 await self._wait(left, "reading the response body")
             except UpstreamTimeout:

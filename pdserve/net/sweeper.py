@@ -20,9 +20,13 @@ class Sweeper:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
 
-    def add(self, key: Hashable, delay: float, callback: Callable[[Hashable], None]) -> None:
-        """`callback(key)` once `delay` seconds have passed (up to `tick_s` later), unless `discard(key)` came first."""
-        loop = asyncio.get_running_loop()
+    def add(self, key: Hashable, delay: float, callback: Callable[[Hashable], None],
+            loop: asyncio.AbstractEventLoop) -> None:
+        """`callback(key)` once `delay` seconds have passed (up to `tick_s` later), unless `discard(key)` came first.
+
+        `loop` is the running loop, which the caller holds: asking asyncio for it costs a system call a time on
+        Python 3.11 (its check that the process did not fork), and a request adds three deadlines.
+        """
         if loop is not self._loop:  # a new event loop: what was due on the last one can never be acted on there
             self._due.clear()
             self._loop, self._timer = loop, None
