@@ -22,6 +22,7 @@ import msgspec
 from pdserve.gateway.conditional import ConditionalDisagg
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.registry import Instance, Registry
+from pdserve.gateway.usage import merge_answer, merge_events
 from pdserve.ids import TransferId, new_transfer_id
 from pdserve.kv_events.prompt import RoutedPrompt
 from pdserve.migration.wire import MARKER, MOVED_STATUS
@@ -32,15 +33,6 @@ from pdserve.telemetry.tracing import new_span_id
 log = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.decode
-
-
-class _Usage(msgspec.Struct):
-    """An answer's usage alone: the rest of the document is parsed past, not built."""
-
-    usage: Any = None
-
-
-_decode_usage = msgspec.json.Decoder(_Usage).decode
 
 
 class Stage(enum.Enum):
@@ -380,38 +372,10 @@ class Call:
 
     # -- usage: prompt and cached tokens from P, completion tokens from D ----------------------------------
     def merge_usage(self, raw: bytes) -> bytes:
-        """D's answer with P's prompt and cached tokens. When they change nothing (P and D counted the prompt
-        alike, and P found no more of it cached than D says), D's own bytes go out: not parsed whole and written
-        again, which was the costliest thing the gateway did with an answer."""
-        if self.prefill_usage is None:
-            return raw
-        try:
-            usage = _decode_usage(raw).usage
-        except msgspec.DecodeError:  # not JSON, or not an object (a ValidationError is one)
-            return raw
-        if not isinstance(usage, dict):
-            return raw
-        merged = merged_usage(self.prefill_usage, usage)
-        if merged == usage:
-            return raw
-        data = _decode(raw)
-        data["usage"] = merged
-        return _encode(data)
+        return merge_answer(self.prefill_usage, raw)
 
     def rewrite_usage(self, events: bytes) -> bytes:
-        if self.prefill_usage is None or b'"usage"' not in events:
-            return events
-        out = []
-        for event in events.split(b"\n\n"):
-            if event.startswith(b"data: {") and _carries_usage(event):
-                try:
-                    data = _decode(event[6:])
-                    data["usage"] = merged_usage(self.prefill_usage, data["usage"])
-                    event = b"data: " + _encode(data)
-                except (msgspec.DecodeError, TypeError, KeyError):
-                    pass
-            out.append(event)
-        return b"\n\n".join(out)
+        return merge_events(self.prefill_usage, events)
 
 
 def _max_tokens(body: dict[str, Any]) -> int:
@@ -421,25 +385,6 @@ def _max_tokens(body: dict[str, Any]) -> int:
         if type(value) is int and value > 0:
             return value
     return 16
-
-
-def _carries_usage(event: bytes) -> bool:
-    """Only events with a usage object are parsed; most chunks have none, or `"usage": null`."""
-    at = event.find(b'"usage"')
-    return at >= 0 and event[at + 7:at + 16].lstrip(b": ").startswith(b"{")
-
-
-def merged_usage(prefill: dict[str, Any], decode: dict[str, Any]) -> dict[str, Any]:
-    prompt = prefill.get("prompt_tokens", decode.get("prompt_tokens", 0))
-    completion = decode.get("completion_tokens", 0)
-    merged = {**decode, "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-    # The prompt's cache hits happened on P. Details stay as the backends sent them: vLLM sends null unless it runs
-    # with --enable-prompt-tokens-details, and a client must see that null, not an invented zero.
-    details = prefill.get("prompt_tokens_details")
-    if isinstance(details, dict) and "cached_tokens" in details:
-        merged["prompt_tokens_details"] = {**(decode.get("prompt_tokens_details") or {}),
-                                           "cached_tokens": details["cached_tokens"]}
-    return merged
 
 
 class SSEFramer:
