@@ -48,8 +48,10 @@ METRICS = (b"vllm:num_requests_running{model_name=\"stub\"} 0.0\nvllm:num_reques
            b"vllm:nixl_num_failed_transfers_total{model_name=\"stub\"} 0.0\n")
 
 
-# What a pdserve prefill instance answers (pull, and push: PushHeld), as kv_transfer/params.py writes it.
-PD_USAGE = {"prompt_tokens": 12, "total_tokens": 13, "completion_tokens": 1, "prompt_tokens_details": None}
+# What a pdserve prefill instance answers (pull, and push: PushHeld), as kv_transfer/params.py writes it. Its
+# usage always has details; its decode partner counts the same prompt and reports P's cache hits as its own.
+PD_USAGE = {"prompt_tokens": 12, "total_tokens": 13, "completion_tokens": 1,
+            "prompt_tokens_details": {"cached_tokens": 0}}
 PD_PULL_BODY = json.dumps({
     "id": "cmpl-stub-0", "object": "text_completion", "created": 0, "model": "stub",
     "choices": [{"index": 0, "text": " a", "finish_reason": "length", "stop_reason": None, "logprobs": None}],
@@ -104,7 +106,9 @@ RESPONSES = {
 }
 # A pdserve instance: the same, but it says what it is at /v1/pdserve/info and hands out its own KV parameters.
 PDSERVE_BODIES = {"prefill": (PD_PULL_BODY, b"application/json"), "push": (PD_PUSH_BODY, b"application/json"),
-                  "decode": (DECODE_BODY.replace(b', "kv_transfer_params": null', b""), b"application/json"),
+                  "decode": (DECODE_BODY.replace(b', "kv_transfer_params": null', b"").replace(
+                      b'"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8',
+                      b'"prompt_tokens": 12, "completion_tokens": 4, "total_tokens": 16'), b"application/json"),
                   "stream": (STREAM_BODY, b"text/event-stream")}
 
 
