@@ -18,12 +18,8 @@ D_ANSWER = (b'{"id": "cmpl-1", "object": "text_completion",\n "choices": [{"inde
             b' "prompt_tokens_details": {"cached_tokens": 3}}}')
 
 
-def merged(prefill_usage: dict[str, Any] | None, raw: bytes) -> bytes:
-    return merge_answer(prefill_usage, raw)
-
-
 def test_p_counts_the_prompt_and_its_cache_hits_and_d_the_completion() -> None:
-    raw = merged({"prompt_tokens": 9, "completion_tokens": 1, "total_tokens": 10,
+    raw = merge_answer({"prompt_tokens": 9, "completion_tokens": 1, "total_tokens": 10,
                   "prompt_tokens_details": {"cached_tokens": 5}}, D_ANSWER)
     out = json.loads(raw)
     assert out["usage"] == {"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12,
@@ -36,16 +32,16 @@ def test_p_counts_the_prompt_and_its_cache_hits_and_d_the_completion() -> None:
 def test_when_p_changes_nothing_d_answer_goes_out_as_d_wrote_it() -> None:
     agreeing = {"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8,
                 "prompt_tokens_details": {"cached_tokens": 3}}
-    assert merged(agreeing, D_ANSWER) == D_ANSWER
+    assert merge_answer(agreeing, D_ANSWER) == D_ANSWER
     # vLLM sends null details unless asked for them: nothing to add, so nothing is rewritten.
-    assert merged({**agreeing, "prompt_tokens_details": None}, D_ANSWER) == D_ANSWER
-    assert merged(None, D_ANSWER) == D_ANSWER  # D prefilled itself
+    assert merge_answer({**agreeing, "prompt_tokens_details": None}, D_ANSWER) == D_ANSWER
+    assert merge_answer(None, D_ANSWER) == D_ANSWER  # D prefilled itself
 
 
 def test_answers_without_a_usage_object_are_left_alone() -> None:
     for raw in (b"not json", b"[1, 2]", b'"text"', b'{"usage": null}', b'{"usage": 3}', b'{"choices": []}',
                 b'{"usage": {"prompt_tokens": 7, "completion_tokens": null}}'):
-        assert merged({"prompt_tokens": 7, "prompt_tokens_details": {"cached_tokens": 5}}, raw) == raw
+        assert merge_answer({"prompt_tokens": 7, "prompt_tokens_details": {"cached_tokens": 5}}, raw) == raw
 
 
 _counts = st.one_of(st.none(), st.integers(0, 3))
