@@ -52,6 +52,10 @@ METRICS = (b"vllm:num_requests_running{model_name=\"stub\"} 0.0\nvllm:num_reques
 # usage always has details; its decode partner counts the same prompt and reports P's cache hits as its own.
 PD_USAGE = {"prompt_tokens": 12, "total_tokens": 13, "completion_tokens": 1,
             "prompt_tokens_details": {"cached_tokens": 0}}
+# A pdserve decode instance: no kv_transfer_params, and P's prompt and cache hits in its usage.
+PD_DECODE_BODY = json.dumps({**{k: v for k, v in json.loads(DECODE_BODY).items() if k != "kv_transfer_params"},
+                             "usage": {"prompt_tokens": 12, "completion_tokens": 4, "total_tokens": 16,
+                                       "prompt_tokens_details": {"cached_tokens": 0}}}).encode()
 PD_PULL_BODY = json.dumps({
     "id": "cmpl-stub-0", "object": "text_completion", "created": 0, "model": "stub",
     "choices": [{"index": 0, "text": " a", "finish_reason": "length", "stop_reason": None, "logprobs": None}],
@@ -106,9 +110,7 @@ RESPONSES = {
 }
 # A pdserve instance: the same, but it says what it is at /v1/pdserve/info and hands out its own KV parameters.
 PDSERVE_BODIES = {"prefill": (PD_PULL_BODY, b"application/json"), "push": (PD_PUSH_BODY, b"application/json"),
-                  "decode": (DECODE_BODY.replace(b', "kv_transfer_params": null', b"").replace(
-                      b'"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8',
-                      b'"prompt_tokens": 12, "completion_tokens": 4, "total_tokens": 16'), b"application/json"),
+                  "decode": (PD_DECODE_BODY, b"application/json"),
                   "stream": (STREAM_BODY, b"text/event-stream")}
 
 

@@ -15,32 +15,34 @@ _decode_fields = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
 _MISSING = object()
 
 
-def merged_usage(prefill: dict[str, Any], decode: dict[str, Any]) -> dict[str, Any]:
-    prompt = prefill.get("prompt_tokens", decode.get("prompt_tokens", 0))
-    completion = decode.get("completion_tokens", 0)
-    merged = {**decode, "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-    # Details stay as the backends sent them: vLLM sends null unless it runs with --enable-prompt-tokens-details,
-    # and a client must see that null, not an invented zero.
+def _counts(prefill: dict[str, Any], decode: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """What the merge reports: P's prompt count (D's when P gives none), D's completion count, and P's cache hits
+    (_MISSING when P reports none: details stay as the backends sent them, since vLLM sends null unless it runs
+    with --enable-prompt-tokens-details, and a client must see that null, not an invented zero)."""
     details = prefill.get("prompt_tokens_details")
-    if isinstance(details, dict) and "cached_tokens" in details:
-        merged["prompt_tokens_details"] = {**(decode.get("prompt_tokens_details") or {}),
-                                           "cached_tokens": details["cached_tokens"]}
+    cached = details["cached_tokens"] if isinstance(details, dict) and "cached_tokens" in details else _MISSING
+    return prefill.get("prompt_tokens", decode.get("prompt_tokens", 0)), decode.get("completion_tokens", 0), cached
+
+
+def merged_usage(prefill: dict[str, Any], decode: dict[str, Any]) -> dict[str, Any]:
+    prompt, completion, cached = _counts(prefill, decode)
+    merged = {**decode, "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    if cached is not _MISSING:
+        merged["prompt_tokens_details"] = {**(decode.get("prompt_tokens_details") or {}), "cached_tokens": cached}
     return merged
 
 
 def adds_nothing(prefill: dict[str, Any], decode: dict[str, Any]) -> bool:
     """`merged_usage(prefill, decode) == decode`, without building the merge: true of most answers (P and D count
     the same prompt), so they are passed on without writing anything."""
-    prompt = prefill.get("prompt_tokens", decode.get("prompt_tokens", 0))
-    completion = decode.get("completion_tokens", 0)
+    prompt, completion, cached = _counts(prefill, decode)
     if (decode.get("prompt_tokens", _MISSING) != prompt or decode.get("completion_tokens", _MISSING) != completion
             or decode.get("total_tokens", _MISSING) != prompt + completion):
         return False
-    details = prefill.get("prompt_tokens_details")
-    if not (isinstance(details, dict) and "cached_tokens" in details):
+    if cached is _MISSING:
         return True
     mine = decode.get("prompt_tokens_details")
-    return isinstance(mine, dict) and mine.get("cached_tokens", _MISSING) == details["cached_tokens"]
+    return isinstance(mine, dict) and mine.get("cached_tokens", _MISSING) == cached
 
 
 def merge_answer(prefill_usage: dict[str, Any] | None, raw: bytes) -> bytes:
