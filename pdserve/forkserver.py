@@ -50,8 +50,8 @@ VERSION = 1
 # Variables a child may have that differ from the server's: read at run time only (pdserve reads its own PDSERVE_*
 # variables only at run time; pytest sets the current test's name in the environment). The transfer engines read
 # theirs as they start, which only a child does, and pdserve's planes set them in a requester that used one:
-# UCX_MODULES when a NIXL agent starts, MC_LOG_LEVEL when Mooncake's engine module loads.
-ENGINE_VARS = frozenset({"UCX_MODULES", "MC_LOG_LEVEL"})
+# UCX_MODULES and UCX_MEM_EVENTS when a NIXL agent starts, MC_LOG_LEVEL when Mooncake's engine module loads.
+ENGINE_VARS = frozenset({"UCX_MODULES", "UCX_MEM_EVENTS", "MC_LOG_LEVEL"})
 RUN_TIME_VARS = frozenset({"PYTEST_CURRENT_TEST", "VLLM_API_KEY", "KUBECONFIG", "OTEL_BSP_SCHEDULE_DELAY",
                            *ENGINE_VARS})
 RUN_TIME_PREFIX = "PDSERVE_"

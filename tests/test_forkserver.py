@@ -72,12 +72,13 @@ def test_exit_statuses_come_back_from_the_server(forking, models, tmp_path: Path
 
 
 @pytest.mark.parametrize("name, value, libraries", [("UCX_MODULES", "^ib,^rdmacm", ("libucs", "libucp")),
+                                                     ("UCX_MEM_EVENTS", "no", ("libucs", "libucm")),
                                                      ("MC_LOG_LEVEL", "INFO", ("mooncake/engine",))])
 def test_a_requester_that_used_a_transfer_engine_still_forks(forking, models, monkeypatch: pytest.MonkeyPatch,
                                                             name: str, value: str, libraries: tuple[str, ...]):
-    # pdserve's planes set these in their own process (a NIXL agent UCX_MODULES, the Mooncake plane MC_LOG_LEVEL);
-    # each engine reads its variable only as it starts, which the server never does, so a test that ran a plane
-    # in-process must not turn every later instance into a full import.
+    # pdserve's planes set these in their own process (a NIXL agent UCX_MODULES and UCX_MEM_EVENTS, the Mooncake
+    # plane MC_LOG_LEVEL); each engine reads its variable only as it starts, which the server never does, so a
+    # test that ran a plane in-process must not turn every later instance into a full import.
     monkeypatch.setenv(name, value)
     proc = start_instance(models("llama"), *SMALL, name=f"after-{name}")
     try:

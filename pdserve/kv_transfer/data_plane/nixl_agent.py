@@ -63,6 +63,11 @@ class NixlAgent:
         # wheel's bundled libnl) where libibverbs is installed; host memory moves by shared memory or TCP and
         # never needs it. Set before NIXL is imported, so UCX reads it when the agent starts.
         os.environ.setdefault("UCX_MODULES", "^ib")
+        # UCX's memory events patch the process's mmap family in place as the agent starts, spinning on
+        # sched_yield while it does: 0.4 s of system CPU per agent, nine tenths of its start. The events only keep
+        # UCX's own registration cache true for memory it was never asked to register, and every region this
+        # agent moves is registered explicitly (`register`), so they are off unless the deployment says otherwise.
+        os.environ.setdefault("UCX_MEM_EVENTS", "no")
         try:
             from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
         except ImportError as exc:
