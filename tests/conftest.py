@@ -69,6 +69,13 @@ def _lazy_ca_certificates() -> None:
 
 _lazy_ca_certificates()
 
+# The OpenMP threads of every process the tests start (pdserve's and vLLM's intra-op pools) wait for their next
+# parallel region by sleeping rather than spinning: libgomp spins first by default, which on a box with a dozen
+# such processes on two cores takes the CPU from processes that have work (about one sample in twenty of a whole
+# run was libgomp's wait). Set before any server starts, so the fork servers and what they fork share it; a
+# worker's own torch runs one thread and never waits so.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 # Planes run for breadth: in each suite parametrised over data planes they run only the cases marked `core`,
 # which exercise the plane end to end (pull, push, concurrency, faults, refusals) at a fraction of the suite's time.
 BREADTH_PLANES = {"mooncake"}
