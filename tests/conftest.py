@@ -37,7 +37,6 @@ import sys
 import tempfile
 import threading
 import warnings
-from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -93,20 +92,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = [item for item in items if not breadth_only(item)]
-    tests_in = Counter(item.path.name for item in items)
-    rank = {name: i for i, name in enumerate(SLOW_FILES)}
-    items.sort(key=lambda item: (rank.get(item.path.name, len(SLOW_FILES)), -tests_in[item.path.name]))
-
-
-# The files that kept a worker longest in a clean-clone run on the 2-vCPU box (a minute or more each), slowest
-# first: under `--dist loadfile` they are handed out before the rest, which follow with the most tests first (as
-# pytest-xdist orders files by itself). By its own order a 3-test file of two minutes and a 2-test one of a minute
-# and a half went out last, and three workers sat idle for 90 s while one ran them. A file missing here, or out of
-# date, costs only balance.
-SLOW_FILES = ("test_readme.py", "test_chaos.py", "test_push.py", "test_netns.py", "test_migration.py",
-              "test_faults.py", "test_gateway.py", "test_kv_events_vllm.py", "test_forged.py", "test_epd.py",
-              "test_vllm_fleet.py", "test_nixl_plane.py", "test_fuzz.py", "test_vllm_llava.py", "test_forkserver.py",
-              "test_migration_drain.py", "test_operator.py")
 
 
 # Files that one pytest-xdist worker runs one after another, never beside each other: each starts vLLM instances
@@ -125,8 +110,6 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     from xdist.scheduler import LoadScopeScheduling
 
     group_of = {name: group for group, names in FILE_GROUPS.items() for name in names}
-
-    config.option.loadscopereorder = False  # the collection's order (SLOW_FILES first) is the dispatch order
 
     class FileGroupScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
