@@ -71,12 +71,7 @@ def merge_events(prefill_usage: dict[str, Any] | None, events: bytes) -> bytes:
     out = []
     for event in events.split(b"\n\n"):
         if event.startswith(b"data: {") and _carries_usage(event):
-            try:
-                data = _decode(event[6:])
-                data["usage"] = merged_usage(prefill_usage, data["usage"])
-                event = b"data: " + _encode(data)
-            except (msgspec.DecodeError, TypeError, KeyError):
-                pass
+            event = b"data: " + merge_answer(prefill_usage, event[6:])
         out.append(event)
     return b"\n\n".join(out)
 
