@@ -48,11 +48,16 @@ import msgspec
 ENV_VAR = "PDSERVE_FORKSERVER"  # the server's socket path, in the requester's environment
 VERSION = 1
 # Variables a child may have that differ from the server's: read at run time only (pdserve reads its own PDSERVE_*
-# variables only at run time; pytest sets the current test's name in the environment). The transfer engines read
-# theirs as they start, which only a child does, and pdserve's planes set them in a requester that used one:
-# UCX_MODULES and UCX_MEM_EVENTS when a NIXL agent starts, MC_LOG_LEVEL when Mooncake's engine module loads.
+# variables only at run time). The transfer engines read theirs as they start, which only a child does, and
+# pdserve's planes set them in a requester that used one: UCX_MODULES and UCX_MEM_EVENTS when a NIXL agent starts,
+# MC_LOG_LEVEL when Mooncake's engine module loads.
 ENGINE_VARS = frozenset({"UCX_MODULES", "UCX_MEM_EVENTS", "MC_LOG_LEVEL"})
-RUN_TIME_VARS = frozenset({"PYTEST_CURRENT_TEST", "VLLM_API_KEY", "KUBECONFIG", "OTEL_BSP_SCHEDULE_DELAY",
+# What the requester's own runner writes into its environment, read (if at all) when output is formatted: pytest
+# names the current test and pytest-xdist each worker (one server serves every worker), GNU readline writes the
+# terminal's size (COLUMNS, LINES) as it starts in a worker, and a shell its bookkeeping for every command.
+TEST_RUNNER_VARS = frozenset({"PYTEST_CURRENT_TEST", "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT",
+                              "PYTEST_XDIST_TESTRUNUID", "COLUMNS", "LINES", "SHLVL", "_", "PWD", "OLDPWD"})
+RUN_TIME_VARS = frozenset({"VLLM_API_KEY", "KUBECONFIG", "OTEL_BSP_SCHEDULE_DELAY", *TEST_RUNNER_VARS,
                            *ENGINE_VARS})
 RUN_TIME_PREFIX = "PDSERVE_"
 # What `pdserve serve` and `pdserve gateway` import, the instance with its app, connectors and data planes
@@ -78,8 +83,8 @@ VLLM_PRELOAD = ("torch", "transformers", "vllm.entrypoints.cli.main", "vllm.entr
                 "vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector")
 # vllm.envs reads its variables when they are used; the side channel and the temporary folder (`vllm_main` reads it
 # afresh) are the ones that differ between instances.
-VLLM_RUN_TIME_VARS = frozenset({"PYTEST_CURRENT_TEST", "VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT",
-                                "TMPDIR", *ENGINE_VARS})
+VLLM_RUN_TIME_VARS = frozenset({"VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT", "TMPDIR",
+                                *TEST_RUNNER_VARS, *ENGINE_VARS})
 
 
 class Profile(NamedTuple):

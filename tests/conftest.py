@@ -19,11 +19,12 @@ still runs one file in one process. Rules that keep a test safe in parallel work
   a generous deadline, never sleep for a fixed time and then assert; never assert on elapsed time or on the
   box's CPU use (a test may measure one process it started).
 * Start every process through a fixture or try/finally that stops it by PID, also when the test fails.
-* Each worker runs a fork server (`_fork_server`, pdserve/forkserver.py): `pdserve.launcher` forks `python -m
-  pdserve` processes from it instead of spawning them, which saves importing torch per start. A forked child
-  behaves as a spawned one (its PID, signals, exit status, session, environment); what it cannot give (another
-  interpreter, directory, or a variable that may be read at import) is spawned. `--no-fork-server` spawns all.
-  Likewise a vLLM fork server (`_vllm_fork_server`, in vLLM's venv) forks `vllm serve` for `vllm_live.start_vllm`.
+* The run has one fork server that every worker shares (tests/fork_servers.py, pdserve/forkserver.py):
+  `pdserve.launcher` forks `python -m pdserve` processes from it instead of spawning them, which saves importing
+  torch per start. A forked child behaves as a spawned one (its PID, signals, exit status, session, environment);
+  what it cannot give (another interpreter, directory, or a variable that may be read at import) is spawned.
+  Likewise a vLLM fork server (in vLLM's venv) forks `vllm serve` for `vllm_live.start_vllm`. `--no-fork-server`
+  spawns all. A variable a test sets in a worker's environment makes what it starts spawned, not forked.
 """
 
 from __future__ import annotations
@@ -34,20 +35,20 @@ import os
 import shutil
 import ssl
 import sys
-import tempfile
-import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import fork_servers
 import pytest
 import torch
 import vllm_live
 
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.forkserver import ENV_VAR as FORKSERVER_ENV
-from pdserve.launcher import LaunchError, start_command, stop_all
+from pdserve.launcher import start_command, stop_all
 from pdserve.llm import LLM
 from pdserve.modelgen import make_text_model
 
@@ -121,34 +122,54 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--no-fork-server", action="store_true",
-                     help="spawn every pdserve process afresh instead of forking it from a per-worker fork server")
+                     help="spawn every pdserve and vLLM process afresh instead of forking it from a fork server")
+
+
+_FORK_SERVERS = pytest.StashKey[fork_servers.ForkServers]()
+FORK_SERVER_WAIT_S = 300.0
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The run's fork servers (tests/fork_servers.py), started by the process that runs the session before it
+    starts any pytest-xdist worker, so that every worker inherits their sockets."""
+    if hasattr(config, "workerinput") or config.getoption("--no-fork-server"):
+        return
+    servers = config.stash[_FORK_SERVERS] = fork_servers.ForkServers()
+    servers.start(FORKSERVER_ENV, fork_servers.pdserve_fork_server)
+    if vllm_live.installed() and fork_servers.run_uses_vllm(config.args):
+        servers.start(vllm_live.FORKSERVER_ENV, vllm_live.vllm_fork_server)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    servers = config.stash.get(_FORK_SERVERS, None)
+    if servers is not None:
+        servers.stop()
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _fork_server(request: pytest.FixtureRequest) -> Iterator[None]:
-    """This worker's fork server (pdserve/forkserver.py): each `python -m pdserve` the launcher starts is forked
-    from a process that has imported torch, transformers and the web stack already (bench/starts.py measures
-    the saving), unless it needs an environment the server cannot give it, which the launcher then spawns."""
-    if request.config.getoption("--no-fork-server"):
+def _fork_server() -> Iterator[None]:
+    """The run's pdserve fork server, ready before this process's first test: each `python -m pdserve` the launcher
+    starts is forked from a process that has imported torch, transformers and the web stack already (bench/starts.py
+    measures the saving), unless it needs an environment the server cannot give it, which the launcher then spawns."""
+    socket = os.environ.get(FORKSERVER_ENV)
+    if not socket:
         yield
         return
-    folder = tempfile.mkdtemp(prefix="pdserve-forks-")
-    try:
-        server = start_command("forkserver", [sys.executable, "-m", "pdserve.forkserver", f"{folder}/socket"])
-    except LaunchError as exc:  # e.g. a kernel without pidfds: every process is spawned, as outside the suite
-        shutil.rmtree(folder, ignore_errors=True)
-        warnings.warn(f"no fork server, pdserve processes are spawned: {exc}", stacklevel=1)
-        yield
-        return
-    launcher_log = logging.getLogger("pdserve.launcher")
-    handler = _WarnOnSpawn(logging.WARNING)
-    launcher_log.addHandler(handler)
+    deadline = time.monotonic() + FORK_SERVER_WAIT_S
+    while not fork_servers.ready(socket) and fork_servers.failure(socket) is None and time.monotonic() < deadline:
+        time.sleep(0.1)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(FORKSERVER_ENV, server.ready["socket"])
-        yield
-    launcher_log.removeHandler(handler)
-    server.stop()
-    shutil.rmtree(folder, ignore_errors=True)
+        if not fork_servers.ready(socket):  # e.g. a kernel without pidfds: every process is spawned, as outside
+            why = fork_servers.failure(socket) or f"not ready in {FORK_SERVER_WAIT_S:.0f} s"
+            warnings.warn(f"no fork server, pdserve processes are spawned: {why}", stacklevel=1)
+            patch.delenv(FORKSERVER_ENV)
+        launcher_log = logging.getLogger("pdserve.launcher")
+        handler = _WarnOnSpawn(logging.WARNING)
+        launcher_log.addHandler(handler)
+        try:
+            yield
+        finally:
+            launcher_log.removeHandler(handler)
 
 
 class SpawnedNotForked(UserWarning):
@@ -160,42 +181,6 @@ class _WarnOnSpawn(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         warnings.warn(record.getMessage(), SpawnedNotForked, stacklevel=1)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _vllm_fork_server(request: pytest.FixtureRequest) -> Iterator[None]:
-    """This worker's vLLM fork server (`vllm_live.vllm_fork_server`), started in the background where vLLM's venv
-    is installed and a collected test starts vLLM: until it is ready (its imports take ~13 CPU-seconds), and for
-    any instance it refuses, `start_vllm` spawns `vllm serve` as ever."""
-    if (request.config.getoption("--no-fork-server") or not vllm_live.installed()
-            or not any(map(_uses_vllm, {getattr(item, "module", None) for item in request.session.items}))):
-        yield
-        return
-    folder = Path(tempfile.mkdtemp(prefix="pdserve-vllm-forks-"))
-    started: list = []
-
-    def start() -> None:
-        try:
-            started.append(vllm_live.vllm_fork_server(folder))
-        except BaseException as exc:  # noqa: BLE001 (a thread: pytest's skip included) every instance is spawned
-            warnings.warn(f"no vLLM fork server, vLLM instances are spawned: {exc!r}", stacklevel=1)
-            return
-        os.environ[vllm_live.FORKSERVER_ENV] = started[0].ready["socket"]
-
-    starter = threading.Thread(target=start, name="vllm-fork-server", daemon=True)
-    starter.start()
-    yield
-    starter.join()
-    os.environ.pop(vllm_live.FORKSERVER_ENV, None)
-    for server in started:
-        server.stop()
-    shutil.rmtree(folder, ignore_errors=True)
-
-
-def _uses_vllm(module: Any) -> bool:
-    """Whether a test module took anything from vllm_live (so it may start live vLLM instances)."""
-    return module is not None and any(getattr(value, "__module__", None) == "vllm_live" or value is vllm_live
-                                      for value in vars(module).values())
 
 
 # Small enough to keep every engine cheap to build (the default budget zeroes ~0.5 GiB of KV cache).

@@ -21,7 +21,7 @@ SMALL = ("--num-kv-blocks", "32", "--max-model-len", "128", "--log-level", "info
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
-    """A fork server of this module's own (the session's serves everything else), stopped at the end."""
+    """A fork server of this module's own (the run's serves everything else), stopped at the end."""
     folder = tmp_path_factory.mktemp("forks")
     proc = start_command("forkserver", [sys.executable, "-m", "pdserve.forkserver", str(folder / "socket")])
     yield proc
@@ -103,11 +103,27 @@ def test_the_refusal_rule():
     request = SpawnRequest(VERSION, sys.executable, ["serve"], env, os.getcwd())
     assert refusal(request) is None
     assert refusal(SpawnRequest(VERSION, sys.executable, [], {**env, "PDSERVE_ANYTHING": "1"}, os.getcwd())) is None
+    worker = {"PYTEST_XDIST_WORKER": "gw7", "PYTEST_XDIST_WORKER_COUNT": "8", "PYTEST_XDIST_TESTRUNUID": "f00",
+              "COLUMNS": "80", "LINES": "24", "SHLVL": "3"}
+    assert refusal(SpawnRequest(VERSION, sys.executable, [], {**env, **worker}, os.getcwd())) is None
     for changed, named in (({**env, "OMP_NUM_THREADS": "7"}, "OMP_NUM_THREADS"),
                            ({k: v for k, v in env.items() if k != "PATH"}, "PATH")):
         assert named in refusal(SpawnRequest(VERSION, sys.executable, [], changed, os.getcwd()))
     assert "working directory" in refusal(SpawnRequest(VERSION, sys.executable, [], env, "/"))
     assert "interpreter" in refusal(SpawnRequest(VERSION, "/usr/bin/python3", [], env, os.getcwd()))
+
+
+@pytest.mark.skipif(ENV_VAR not in os.environ, reason="the run has no fork server (--no-fork-server)")
+def test_one_server_forks_for_every_worker_of_the_run(models):
+    # The run's server is started by the process that runs the session, before any pytest-xdist worker: its parent
+    # is the parent of this worker, or this process when pytest runs alone.
+    proc = start_instance(models("llama"), *SMALL, name="shared")
+    try:
+        assert isinstance(proc.popen, ForkedChild)
+        session = os.getppid() if "PYTEST_XDIST_WORKER" in os.environ else os.getpid()
+        assert parent_of(parent_of(proc.pid)) == session
+    finally:
+        proc.stop()
 
 
 def test_what_is_not_a_spawn_request_is_refused_and_no_server_means_spawn(server, tmp_path: Path):

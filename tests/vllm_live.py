@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import fork_servers
 import httpx
 import pytest
 from nixl_spin import idle_spinning_threads, remove_idle_cgroup
@@ -37,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_VENV = ROOT / ".cache" / "vllm"
 INSTALL_SCRIPT = ROOT / "scripts" / "install_vllm.sh"
 SERVED_NAME = "tiny"
-# The socket of this test worker's vLLM fork server (`vllm_fork_server`), once it is ready.
+# The socket of the run's vLLM fork server (`vllm_fork_server`, started by tests/fork_servers.py).
 FORKSERVER_ENV = "PDSERVE_VLLM_FORKSERVER"
 
 
@@ -229,7 +230,7 @@ def start_vllm(model: Path | str, *, role: str | None = None, name: str = "vllm"
 
 def vllm_fork_server(folder: Path) -> Process:
     """A fork server (pdserve/forkserver.py, profile `vllm`) running in vLLM's venv, with the environment every
-    instance shares: `start_vllm` forks `vllm serve` from it once FORKSERVER_ENV names its socket."""
+    instance shares: `start_vllm` forks `vllm serve` from it once it is ready (tests/fork_servers.py)."""
     venv = vllm_venv()
     return start_command("vllm-forkserver", [str(venv / "bin" / "python"), "-m", "pdserve.forkserver",
                                              str(folder / "socket"), "vllm"],
@@ -237,11 +238,11 @@ def vllm_fork_server(folder: Path) -> Process:
 
 
 def _forked(venv: Path, argv: list[str], side_channel: int | None, env: dict[str, str] | None, log: int):
-    """`argv` forked from this worker's vLLM fork server; None where there is none (yet), and where it refuses
+    """`argv` forked from the run's vLLM fork server; None where there is none (yet), and where it refuses
     (the instance needs a variable the server cannot give it), why not. pdserve's path is on every forked
     instance's, as on the server's: only a PdConnector instance imports from it."""
     server = os.environ.get(FORKSERVER_ENV)
-    if not server:
+    if not server or not fork_servers.ready(server):
         return None
     child_env = vllm_env(side_channel, {"PYTHONPATH": pdserve_path(), **(env or {})})
     return fork(server, [str(venv / "bin" / "python"), *argv], child_env, log, stdout=log, args_from=2)
