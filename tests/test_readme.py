@@ -1,7 +1,8 @@
 """The README's command blocks run as written on a fresh clone once `make demo` has made `.venv`.
 
 Each block is run by `bash -e` in its own session, with only these mechanical substitutions, so the test works
-from any venv and beside other tests: `.venv/bin/pdserve` becomes this interpreter with `-m pdserve`, the fixed
+from any venv and beside other tests: `.venv/bin/pdserve` becomes this interpreter running tests/fork_relay.py,
+which is `python -m pdserve` forked from the run's fork server where it can be (spawned where not), the fixed
 ports (8000, 8001, 8100, 8200, and etcd's 2379 and 2380) become free ephemeral ones, and `models/` becomes a
 temporary folder. The block must print
 a real completion, stop everything it started by itself (its own `kill` line), and leave no port listening.
@@ -19,12 +20,16 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
+from conftest import SpawnedNotForked
+from fork_relay import SPAWNED
 from peers import reserved_port
 
 README = Path(__file__).resolve().parent.parent / "README.md"
+RELAY = Path(__file__).resolve().parent / "fork_relay.py"
 FIXED_PORTS = ("8000", "8001", "8100", "8200", "2379", "2380")
 BLOCK_DEADLINE_S = 240
 EXIT_DEADLINE_S = 30
@@ -67,7 +72,7 @@ def listening(port: int) -> bool:
 
 def run_block(block: str, tmp_path: Path) -> str:
     ports = {port: str(reserved_port()) for port in FIXED_PORTS}
-    script = block.replace(".venv/bin/pdserve", f"{shlex.quote(sys.executable)} -m pdserve")
+    script = block.replace(".venv/bin/pdserve", f"{shlex.quote(sys.executable)} {shlex.quote(str(RELAY))}")
     script = re.sub(r"\b(%s)\b" % "|".join(FIXED_PORTS), lambda m: ports[m.group(1)], script)
     script = re.sub(r"(?<![\w/])models/", f"{tmp_path}/models/", script)
     log = tmp_path / "out.log"
@@ -90,7 +95,11 @@ def run_block(block: str, tmp_path: Path) -> str:
         proc.wait()
     left = [port for port in ports.values() if listening(int(port))]
     assert not left, f"ports still listening after the block: {left}"
-    return log.read_text()
+    output = log.read_text()
+    for line in output.splitlines():
+        if line.startswith(SPAWNED):
+            warnings.warn(line, SpawnedNotForked, stacklevel=2)
+    return output
 
 
 def completion(output: str) -> dict:

@@ -824,12 +824,13 @@ def _run(args: argparse.Namespace, protocols: list[str], procs: dict[str, Proces
               "--seed", "0"]
     fault_extra_p = {"fault_injection": faults_p} if args.fault_rate > 0 else {}
     fault_extra_d = {"fault_injection": faults_d} if args.fault_rate > 0 else {}
-    env = {"OMP_NUM_THREADS": str(args.threads)}
+    # `--threads` sizes each instance's OpenMP pool as it starts (no OMP_NUM_THREADS, which a fork server could not
+    # give a child: the suite's then spawns these three afresh, ~10 CPU-s each).
     procs["P"] = start_instance(model, *common, "--kv-transfer-config",
-                                kv_config("kv_producer", {**base_extra, **fault_extra_p}), name="P", env=env)
+                                kv_config("kv_producer", {**base_extra, **fault_extra_p}), name="P")
     procs["D"] = start_instance(model, *common, "--kv-transfer-config",
-                                kv_config("kv_consumer", {**base_extra, **fault_extra_d}), name="D", env=env)
-    procs["C"] = start_instance(model, *common, name="C", env=env)
+                                kv_config("kv_consumer", {**base_extra, **fault_extra_d}), name="D")
+    procs["C"] = start_instance(model, *common, name="C")
     for protocol in protocols:
         procs[f"gw-{protocol}"] = start("gateway", ["gateway", "--prefill", procs["P"].url, "--decode",
                                                     procs["D"].url, "--protocol", protocol, "--host", "127.0.0.1",
