@@ -16,9 +16,8 @@ import pytest
 import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoProcessor, LlavaForConditionalGeneration
+import transformers
 from transformers.image_transforms import center_crop as hf_center_crop
-from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
 from pdserve.layers.attention import AttentionMetadata, PrefillChunk
 from pdserve.modelgen.cli import main as cli_main
@@ -57,13 +56,13 @@ def llava_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def hf_model(llava_dirs: dict[str, Path]) -> LlavaForConditionalGeneration:
+def hf_model(llava_dirs: dict[str, Path]) -> transformers.LlavaForConditionalGeneration:
     return load_hf_model(llava_dirs["hf5"])
 
 
 @pytest.fixture(scope="module")
 def processor(llava_dirs: dict[str, Path]):  # -> transformers LlavaProcessor
-    return AutoProcessor.from_pretrained(llava_dirs["hf5"])
+    return transformers.AutoProcessor.from_pretrained(llava_dirs["hf5"])
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +70,10 @@ def ours(llava_dirs: dict[str, Path]) -> LoadedModel:
     return load_model(llava_dirs["hf5"], torch.float32, torch.device("cpu"), MAX_POSITIONS)
 
 
-def load_hf_model(model_dir: Path) -> LlavaForConditionalGeneration:
-    model, info = LlavaForConditionalGeneration.from_pretrained(
+def load_hf_model(model_dir: Path) -> transformers.LlavaForConditionalGeneration:
+    # Through the package's lazy attributes: transformers' model and image-processor modules cost ~3 CPU-s to
+    # import, which every pytest-xdist worker would pay collecting this file, though only one runs it.
+    model, info = transformers.LlavaForConditionalGeneration.from_pretrained(
         model_dir, dtype=torch.float32, output_loading_info=True)
     for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
         assert not info[kind], (kind, info[kind])
@@ -151,7 +152,7 @@ def test_transformers_loads_every_tensor(llava_dirs: dict[str, Path], layout: st
 
 
 def test_config_is_what_transformers_writes(llava_dirs: dict[str, Path], tmp_path: Path) -> None:
-    AutoConfig.from_pretrained(llava_dirs["hf5"]).save_pretrained(tmp_path)
+    transformers.AutoConfig.from_pretrained(llava_dirs["hf5"]).save_pretrained(tmp_path)
     resaved = json.loads((tmp_path / "config.json").read_text())
     ours = json.loads((llava_dirs["hf5"] / "config.json").read_text())
     resaved.pop("transformers_version")
@@ -180,11 +181,11 @@ def test_processor_and_chat_template(llava_dirs: dict[str, Path], processor, tmp
 
 
 def test_pdserve_loads_what_transformers_saves(llava_dirs: dict[str, Path],
-                                               hf_model: LlavaForConditionalGeneration, ours: LoadedModel,
+                                               hf_model: transformers.LlavaForConditionalGeneration, ours: LoadedModel,
                                                tmp_path: Path) -> None:
     # A model transformers 5.23 built itself (not loaded) is saved in a third mix: hub names, except that the
     # vision tower is plain `vision_tower.*`. (A loaded model is saved back in the names it was loaded from.)
-    fresh = LlavaForConditionalGeneration(hf_model.config)
+    fresh = transformers.LlavaForConditionalGeneration(hf_model.config)
     fresh.load_state_dict(hf_model.state_dict())
     fresh.save_pretrained(tmp_path)
     names = set(load_file(tmp_path / "model.safetensors"))
@@ -222,6 +223,8 @@ def test_preprocessing_with_exact_resize_and_padding_crop_matches_transformers()
     settings = {"size": {"height": 20, "width": 40}, "crop_size": {"height": 32, "width": 24},
                 "image_mean": [0.5, 0.4, 0.3], "image_std": [0.2, 0.25, 0.3], "rescale_factor": 1 / 255}
     ours = ClipImageProcessor(ClipImageSettings.from_hf(settings))
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
     reference = CLIPImageProcessorPil(**settings)
     images = sample_images()
     expected = reference(images, return_tensors="pt").pixel_values
@@ -247,7 +250,7 @@ def test_settings_fingerprint_is_stable_and_sensitive(llava_dirs: dict[str, Path
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_encode_matches_get_image_features(llava_dirs: dict[str, Path],
-                                           hf_model: LlavaForConditionalGeneration, processor,
+                                           hf_model: transformers.LlavaForConditionalGeneration, processor,
                                            layout: str) -> None:
     vision = vision_of(load_model(llava_dirs[layout], torch.float32, torch.device("cpu"), MAX_POSITIONS))
     config = json.loads((llava_dirs[layout] / "config.json").read_text())
@@ -384,7 +387,7 @@ def assert_logprobs_close(got: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("num_images", [1, 2])
-def test_generation_matches_transformers(ours: LoadedModel, hf_model: LlavaForConditionalGeneration,
+def test_generation_matches_transformers(ours: LoadedModel, hf_model: transformers.LlavaForConditionalGeneration,
                                          processor, num_images: int) -> None:
     images = [random_image(10 + i, 40 + 13 * i, 64 - 9 * i) for i in range(num_images)]
     text = processor.tokenizer.apply_chat_template(prompt_with_images(num_images), tokenize=False,
