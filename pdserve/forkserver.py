@@ -57,8 +57,11 @@ ENGINE_VARS = frozenset({"UCX_MODULES", "UCX_MEM_EVENTS", "MC_LOG_LEVEL"})
 # terminal's size (COLUMNS, LINES) as it starts in a worker, and a shell its bookkeeping for every command.
 TEST_RUNNER_VARS = frozenset({"PYTEST_CURRENT_TEST", "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT",
                               "PYTEST_XDIST_TESTRUNUID", "COLUMNS", "LINES", "SHLVL", "_", "PWD", "OLDPWD"})
+# torch inductor's cache folder: read afresh by each cache_dir() call, and written into the environment by the first
+# call in a process (transformers asks while running a model), so a requester that ran one has it and the server not.
+COMPILER_VARS = frozenset({"TORCHINDUCTOR_CACHE_DIR"})
 RUN_TIME_VARS = frozenset({"VLLM_API_KEY", "KUBECONFIG", "OTEL_BSP_SCHEDULE_DELAY", *TEST_RUNNER_VARS,
-                           *ENGINE_VARS})
+                           *COMPILER_VARS, *ENGINE_VARS})
 RUN_TIME_PREFIX = "PDSERVE_"
 # What `pdserve serve` and `pdserve gateway` import, the instance with its app, connectors and data planes
 # included (an optional plane's transfer engine, which may start threads, loads only in a child that uses it).
@@ -84,7 +87,7 @@ VLLM_PRELOAD = ("torch", "transformers", "vllm.entrypoints.cli.main", "vllm.entr
 # vllm.envs reads its variables when they are used; the side channel and the temporary folder (`vllm_main` reads it
 # afresh) are the ones that differ between instances.
 VLLM_RUN_TIME_VARS = frozenset({"VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT", "TMPDIR",
-                                *TEST_RUNNER_VARS, *ENGINE_VARS})
+                                *TEST_RUNNER_VARS, *COMPILER_VARS, *ENGINE_VARS})
 
 
 class Profile(NamedTuple):

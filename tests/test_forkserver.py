@@ -104,7 +104,7 @@ def test_the_refusal_rule():
     assert refusal(request) is None
     assert refusal(SpawnRequest(VERSION, sys.executable, [], {**env, "PDSERVE_ANYTHING": "1"}, os.getcwd())) is None
     worker = {"PYTEST_XDIST_WORKER": "gw7", "PYTEST_XDIST_WORKER_COUNT": "8", "PYTEST_XDIST_TESTRUNUID": "f00",
-              "COLUMNS": "80", "LINES": "24", "SHLVL": "3"}
+              "COLUMNS": "80", "LINES": "24", "SHLVL": "3", "TORCHINDUCTOR_CACHE_DIR": "/tmp/torchinductor_x"}
     assert refusal(SpawnRequest(VERSION, sys.executable, [], {**env, **worker}, os.getcwd())) is None
     for changed, named in (({**env, "OMP_NUM_THREADS": "7"}, "OMP_NUM_THREADS"),
                            ({k: v for k, v in env.items() if k != "PATH"}, "PATH")):
