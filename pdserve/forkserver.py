@@ -47,10 +47,9 @@ import msgspec
 
 ENV_VAR = "PDSERVE_FORKSERVER"  # the server's socket path, in the requester's environment
 VERSION = 1
-# Variables a child may have that differ from the server's: read at run time only (pdserve reads its own PDSERVE_*
-# variables only at run time). The transfer engines read theirs as they start, which only a child does, and
-# pdserve's planes set them in a requester that used one: UCX_MODULES and UCX_MEM_EVENTS when a NIXL agent starts,
-# MC_LOG_LEVEL when Mooncake's engine module loads.
+# Variables a child may have that differ from the server's: read at run time only (pdserve's own PDSERVE_* are). The
+# transfer engines read theirs as they start, which only a child does, and pdserve's planes set them in a requester
+# that used one: UCX_MODULES and UCX_MEM_EVENTS when a NIXL agent starts, MC_LOG_LEVEL as Mooncake's module loads.
 ENGINE_VARS = frozenset({"UCX_MODULES", "UCX_MEM_EVENTS", "MC_LOG_LEVEL"})
 # What the requester's own runner writes into its environment, read (if at all) when output is formatted: pytest
 # names the current test and pytest-xdist each worker (one server serves every worker), GNU readline writes the
@@ -84,10 +83,10 @@ VLLM_PRELOAD = ("torch", "transformers", "vllm.entrypoints.cli.main", "vllm.entr
                 "vllm.v1.worker.cpu_worker", "vllm.v1.core.sched.scheduler", "vllm.v1.attention.backends.cpu_attn",
                 "vllm.entrypoints.serve.profile.api_router", "uvicorn.protocols.websockets.auto",
                 "vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector")
-# vllm.envs reads its variables when they are used; the side channel and the temporary folder (`vllm_main` reads it
-# afresh) are the ones that differ between instances.
+# vllm.envs reads its variables when used: the side channel, the temporary folder (`vllm_main` reads it afresh) and
+# the dev mode (read at import only as `--log-error-stack`'s default: a child that sets it passes the flag) differ.
 VLLM_RUN_TIME_VARS = frozenset({"VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT", "TMPDIR",
-                                *TEST_RUNNER_VARS, *COMPILER_VARS, *ENGINE_VARS})
+                                "VLLM_SERVER_DEV_MODE", *TEST_RUNNER_VARS, *COMPILER_VARS, *ENGINE_VARS})
 
 
 class Profile(NamedTuple):

@@ -132,12 +132,16 @@ FORK_SERVER_WAIT_S = 300.0
 def pytest_configure(config: pytest.Config) -> None:
     """The run's fork servers (tests/fork_servers.py), started by the process that runs the session before it
     starts any pytest-xdist worker, so that every worker inherits their sockets."""
-    if hasattr(config, "workerinput") or config.getoption("--no-fork-server"):
+    if hasattr(config, "workerinput") or config.getoption("--no-fork-server") or not _runs_tests(config):
         return
     servers = config.stash[_FORK_SERVERS] = fork_servers.ForkServers()
     servers.start(FORKSERVER_ENV, fork_servers.pdserve_fork_server)
     if vllm_live.installed() and fork_servers.run_uses_vllm(config.args):
         servers.start(vllm_live.FORKSERVER_ENV, vllm_live.vllm_fork_server)
+
+
+def _runs_tests(config: pytest.Config) -> bool:
+    return not (config.option.collectonly or config.option.help or config.option.version)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -62,7 +62,9 @@ def fleet(model, tmp_path_factory):
     venv (importing vLLM takes as long as a request or two)."""
     sockets = tmp_path_factory.mktemp("vllm-events")
     publisher = {"endpoint": f"ipc://{sockets}/pub", "replay_endpoint": f"ipc://{sockets}/replay", "topic": "kv@v"}
+    # Dev mode for /reset_prefix_cache; --log-error-stack as dev mode sets it, so a forked V equals a spawned one.
     vllm = start_vllm(model, name="V", wait=False, env={"VLLM_SERVER_DEV_MODE": "1"}, extra_args=(
+        "--log-error-stack",
         "--block-size", str(VLLM_BLOCK), "--kv-events-config", json.dumps({
             "enable_kv_cache_events": True, "publisher": "zmq", **publisher})))
     started = [vllm]
