@@ -42,41 +42,33 @@ class ForkServers:
     """Starts the run's fork servers in the background and stops them at the end of the run."""
 
     def __init__(self) -> None:
-        self._servers: list[Process] = []
-        self._folders: list[Path] = []
-        self._env_vars: list[str] = []
-        self._threads: list[threading.Thread] = []
-        self._lock = threading.Lock()
+        self._started: list[tuple[str, Path, threading.Thread]] = []  # (its variable, its folder, its start)
+        self._servers: list[Process] = []  # read only once every start has been joined
 
     def start(self, env_var: str, launch: Callable[[Path], Process]) -> None:
         """Start `launch(folder)` in the background; `env_var` names the socket it will answer on from now."""
         folder = Path(tempfile.mkdtemp(prefix="pdserve-forks-"))
-        self._folders.append(folder)
-        self._env_vars.append(env_var)
         os.environ[env_var] = str(folder / "socket")
 
         def run() -> None:
             try:
-                server = launch(folder)
+                self._servers.append(launch(folder))
             except BaseException as exc:  # noqa: BLE001 (a thread: pytest's skip included) its processes are spawned
                 (folder / FAILED).write_text(f"{exc!r}")
                 return
-            with self._lock:
-                self._servers.append(server)
             (folder / READY).touch()
 
         thread = threading.Thread(target=run, name=f"start-{env_var}", daemon=True)
         thread.start()
-        self._threads.append(thread)
+        self._started.append((env_var, folder, thread))
 
     def stop(self) -> None:
-        for thread in self._threads:
+        for env_var, _folder, thread in self._started:
             thread.join()
-        for env_var in self._env_vars:
             os.environ.pop(env_var, None)
         for server in self._servers:
             server.stop()
-        for folder in self._folders:
+        for _env_var, folder, _thread in self._started:
             shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -238,12 +238,15 @@ def vllm_fork_server(folder: Path) -> Process:
 
 
 def _forked(venv: Path, argv: list[str], side_channel: int | None, env: dict[str, str] | None, log: int):
-    """`argv` forked from the run's vLLM fork server; None where there is none (yet), and where it refuses
-    (the instance needs a variable the server cannot give it), why not. pdserve's path is on every forked
-    instance's, as on the server's: only a PdConnector instance imports from it."""
+    """`argv` forked from the run's vLLM fork server; None where there is none (yet), and where it could not start
+    or refuses (the instance needs a variable the server cannot give it), why not. pdserve's path is on every
+    forked instance's, as on the server's: only a PdConnector instance imports from it."""
     server = os.environ.get(FORKSERVER_ENV)
-    if not server or not fork_servers.ready(server):
+    if not server:
         return None
+    if not fork_servers.ready(server):
+        failed = fork_servers.failure(server)
+        return f"no vLLM fork server: {failed}" if failed else None
     child_env = vllm_env(side_channel, {"PYTHONPATH": pdserve_path(), **(env or {})})
     return fork(server, [str(venv / "bin" / "python"), *argv], child_env, log, stdout=log, args_from=2)
 
