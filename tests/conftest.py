@@ -35,7 +35,6 @@ import os
 import shutil
 import ssl
 import sys
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -103,21 +102,21 @@ FILE_GROUPS = {"vllm-nixl": ("test_vllm_fleet.py", "test_vllm_nixl.py", "test_vl
 
 @pytest.hookimpl(optionalhook=True)  # a run without pytest-xdist has no such hook
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """Under `-n N --dist loadfile`: a whole file runs on one worker (its module-scoped servers start once), and
-    the files of a FILE_GROUPS entry run on one worker. (pytest-xdist's own `xdist_group` marks do nothing with
-    pytest 9.2, which no longer reads the node id that xdist rewrites to carry the group.)"""
+    """Under `-n N --dist loadfile`: a whole file runs on one worker (its module-scoped servers start once), the
+    files of a FILE_GROUPS entry run on one worker, and the longest go out first (tests/file_schedule.py).
+    (pytest-xdist's own `xdist_group` marks do nothing with pytest 9.2, which no longer reads the node id that
+    xdist rewrites to carry the group.)"""
     if config.getvalue("dist") != "loadfile":
         return None
-    from xdist.scheduler import LoadScopeScheduling
+    from file_schedule import make_scheduler
+
+    def vllm_ready() -> bool:
+        socket = os.environ.get(vllm_live.FORKSERVER_ENV)
+        return vllm_live.installed() and (socket is None or fork_servers.ready(socket))
 
     group_of = {name: group for group, names in FILE_GROUPS.items() for name in names}
-
-    class FileGroupScheduling(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return group_of.get(Path(path).name, path)
-
-    return FileGroupScheduling(config, log)
+    return make_scheduler(config, log, group_of, lambda path: fork_servers.uses_vllm(config.rootpath / path),
+                          vllm_ready)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -136,7 +135,7 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     servers = config.stash[_FORK_SERVERS] = fork_servers.ForkServers()
     servers.start(FORKSERVER_ENV, fork_servers.pdserve_fork_server)
-    if vllm_live.installed() and fork_servers.run_uses_vllm(config.args):
+    if fork_servers.run_uses_vllm(config.args):  # installs vLLM's venv first where it is missing
         servers.start(vllm_live.FORKSERVER_ENV, vllm_live.vllm_fork_server)
 
 
@@ -159,12 +158,9 @@ def _fork_server() -> Iterator[None]:
     if not socket:
         yield
         return
-    deadline = time.monotonic() + FORK_SERVER_WAIT_S
-    while not fork_servers.ready(socket) and fork_servers.failure(socket) is None and time.monotonic() < deadline:
-        time.sleep(0.1)
+    why = fork_servers.wait_ready(socket, FORK_SERVER_WAIT_S)
     with pytest.MonkeyPatch.context() as patch:
-        if not fork_servers.ready(socket):  # e.g. a kernel without pidfds: every process is spawned, as outside
-            why = fork_servers.failure(socket) or f"not ready in {FORK_SERVER_WAIT_S:.0f} s"
+        if why is not None:  # e.g. a kernel without pidfds: every process is spawned, as outside
             warnings.warn(f"no fork server, pdserve processes are spawned: {why}", stacklevel=1)
             patch.delenv(FORKSERVER_ENV)
         launcher_log = logging.getLogger("pdserve.launcher")

@@ -6,7 +6,8 @@ worker exists and names their sockets in the environment the workers inherit, so
 ~23 CPU-seconds) is paid once per run rather than once per worker. A server serves any requester whose environment
 differs from its own only in variables read at run time, and the workers' differ only in what pytest and
 pytest-xdist set (`TEST_RUNNER_VARS`). A server is ready once its marker file exists: a worker waits for the pdserve
-one before its first test; a vLLM instance asked for before its server is ready is spawned (`vllm_live`).
+one before its first test, and a vLLM instance waits for the vLLM one (whose start installs vLLM's venv first where
+it is missing), since a spawned instance would cost as much as the server's whole preload.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import shutil
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,6 +34,18 @@ def ready(socket: str) -> bool:
 def failure(socket: str) -> str | None:
     path = Path(socket).parent / FAILED
     return path.read_text() if path.exists() else None
+
+
+def wait_ready(socket: str, timeout: float) -> str | None:
+    """Wait until the server on `socket` is ready: None once it is, else why not (it failed, or the deadline)."""
+    deadline = time.monotonic() + timeout
+    while not ready(socket):
+        if (failed := failure(socket)) is not None:
+            return failed
+        if time.monotonic() > deadline:
+            return f"not ready in {timeout:.0f} s"
+        time.sleep(0.1)
+    return None
 
 
 def pdserve_fork_server(folder: Path) -> Process:
@@ -83,4 +97,9 @@ def run_uses_vllm(paths: list[str]) -> bool:
         for root, folders, names in os.walk(path):  # nothing for a file; venvs and caches are hidden folders
             folders[:] = [name for name in folders if not name.startswith(".")]
             files += [Path(root, name) for name in names if name.startswith("test_") and name.endswith(".py")]
-    return any("vllm_live" in file.read_text(errors="replace") for file in files if file.exists())
+    return any(uses_vllm(file) for file in files)
+
+
+def uses_vllm(file: Path) -> bool:
+    """Whether a test file takes anything from vllm_live."""
+    return file.exists() and "vllm_live" in file.read_text(errors="replace")

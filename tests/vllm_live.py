@@ -40,6 +40,7 @@ INSTALL_SCRIPT = ROOT / "scripts" / "install_vllm.sh"
 SERVED_NAME = "tiny"
 # The socket of the run's vLLM fork server (`vllm_fork_server`, started by tests/fork_servers.py).
 FORKSERVER_ENV = "PDSERVE_VLLM_FORKSERVER"
+FORK_SERVER_WAIT_S = 600.0  # its start may install vLLM's venv first (~1 min on 2 cores, up to the install's 900 s)
 
 
 def installed() -> bool:
@@ -238,15 +239,14 @@ def vllm_fork_server(folder: Path) -> Process:
 
 
 def _forked(venv: Path, argv: list[str], side_channel: int | None, env: dict[str, str] | None, log: int):
-    """`argv` forked from the run's vLLM fork server; None where there is none (yet), and where it could not start
-    or refuses (the instance needs a variable the server cannot give it), why not. pdserve's path is on every
-    forked instance's, as on the server's: only a PdConnector instance imports from it."""
+    """`argv` forked from the run's vLLM fork server, once it is ready; None where there is none, and where it could
+    not start or refuses (the instance needs a variable the server cannot give it), why not. pdserve's path is on
+    every forked instance's, as on the server's: only a PdConnector instance imports from it."""
     server = os.environ.get(FORKSERVER_ENV)
     if not server:
         return None
-    if not fork_servers.ready(server):
-        failed = fork_servers.failure(server)
-        return f"no vLLM fork server: {failed}" if failed else None
+    if (why := fork_servers.wait_ready(server, FORK_SERVER_WAIT_S)) is not None:
+        return f"no vLLM fork server: {why}"
     child_env = vllm_env(side_channel, {"PYTHONPATH": pdserve_path(), **(env or {})})
     return fork(server, [str(venv / "bin" / "python"), *argv], child_env, log, stdout=log, args_from=2)
 
