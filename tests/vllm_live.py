@@ -131,6 +131,12 @@ class VllmInstance(Process):
 
     def stop(self, timeout: float = 20.0) -> None:
         super().stop(timeout)
+
+    def _forget(self) -> None:
+        """After the instance's own process ended, as `stop()` or the launcher's `stop_all` stops it: its session's
+        other processes, its idle cgroup and its temporary folder (`stop_all` calls no `stop()` of a Process, and
+        ~600 folders and 150 cgroups of instances stopped so had piled up on one box)."""
+        super()._forget()
         deadline = time.monotonic() + 10
         while (members := session_members(self.pid)) and time.monotonic() < deadline:
             for pid in members:
@@ -229,25 +235,38 @@ def start_vllm(model: Path | str, *, role: str | None = None, name: str = "vllm"
     return instance
 
 
+def forked_path() -> str:
+    """PYTHONPATH of the vLLM fork server and of every instance it forks: pdserve's (`pdserve_path`), which only a
+    PdConnector instance imports from, and the torchvision shim, which only a LLaVA instance imports from. The
+    shim's sitecustomize runs as an interpreter starts, so a forked instance has it only if its server ran it; with
+    it on every forked instance's path, the LLaVA oracle is forked as the text ones are, where spawned it imported
+    vLLM twice (its engine core is spawned on the CPU) in ~40 CPU-seconds."""
+    return f"{pdserve_path()}{os.pathsep}{torchvision_shim()}"
+
+
 def vllm_fork_server(folder: Path) -> Process:
     """A fork server (pdserve/forkserver.py, profile `vllm`) running in vLLM's venv, with the environment every
     instance shares: `start_vllm` forks `vllm serve` from it once it is ready (tests/fork_servers.py)."""
     venv = vllm_venv()
     return start_command("vllm-forkserver", [str(venv / "bin" / "python"), "-m", "pdserve.forkserver",
                                              str(folder / "socket"), "vllm"],
-                         timeout=300, env=vllm_env(None, {"PYTHONPATH": pdserve_path()}), inherit_env=False)
+                         timeout=300, env=vllm_env(None, {"PYTHONPATH": forked_path()}), inherit_env=False)
 
 
 def _forked(venv: Path, argv: list[str], side_channel: int | None, env: dict[str, str] | None, log: int):
     """`argv` forked from the run's vLLM fork server, once it is ready; None where there is none, and where it could
-    not start or refuses (the instance needs a variable the server cannot give it), why not. pdserve's path is on
-    every forked instance's, as on the server's: only a PdConnector instance imports from it."""
+    not start or refuses (the instance needs a variable the server cannot give it), why not. An instance whose
+    PYTHONPATH is part of the server's (`forked_path`) gets the server's."""
     server = os.environ.get(FORKSERVER_ENV)
     if not server:
         return None
     if (why := fork_servers.wait_ready(server, FORK_SERVER_WAIT_S)) is not None:
         return f"no vLLM fork server: {why}"
-    child_env = vllm_env(side_channel, {"PYTHONPATH": pdserve_path(), **(env or {})})
+    env = dict(env or {})
+    shared = forked_path()
+    if set(env.get("PYTHONPATH", "").split(os.pathsep)) - {""} <= set(shared.split(os.pathsep)):
+        env["PYTHONPATH"] = shared
+    child_env = vllm_env(side_channel, env)
     return fork(server, [str(venv / "bin" / "python"), *argv], child_env, log, stdout=log, args_from=2)
 
 
