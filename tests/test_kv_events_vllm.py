@@ -176,10 +176,15 @@ def test_a_mixed_fleet_is_routed_by_the_index(model, fleet):
             prompt = docs[name] + " List the answers."
             assert ask(g.url, prompt, rid) == ask((a if instance is vllm else vllm).url, prompt)
             assert legs(g, rid) == {"colocated": instance.url}
-        chat = {"model": SERVED_NAME, "messages": [{"role": "system", "content": docs["V"]},
+        # A system prompt no try has sent before: its blocks are new at V, so their events must reach the index
+        # before the gateway is asked (on a loaded box they came after it, and the chat went by load).
+        system = f"Session {uuid.uuid4().hex[:8]}. {docs['V']}"
+        chat = {"model": SERVED_NAME, "messages": [{"role": "system", "content": system},
                                                    {"role": "user", "content": "Which is the largest?"}],
                 "max_tokens": 4, "temperature": 0}
+        before = indexed(g, vllm)
         assert httpx.post(vllm.url + "/v1/chat/completions", json=chat, timeout=60).status_code == 200
+        wait_for(lambda: indexed(g, vllm) > before, what="the chat's blocks in the index")
         rid = f"kv-{uuid.uuid4().hex[:8]}"
         assert httpx.post(g.url + "/v1/chat/completions", json={**chat, "messages": [
             *chat["messages"], {"role": "assistant", "content": "ok"}, {"role": "user", "content": "why?"}]},
