@@ -21,8 +21,8 @@ $(STAMP): pyproject.toml requirements/constraints.txt scripts/install_mooncake.s
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet uv
 	# torch's wheel found by pip, which reads the machine's own pip configuration (a local CPU wheel, a mirror),
-	# pinned by the constraints file so it is the CPU wheel, never the CUDA stack; uv unpacks it (pip took ~20 s
-	# to, uv ~3) and the constraint keeps it there.
+	# pinned by the constraints file so it is the CPU wheel, never the CUDA stack; uv installs that file (~3 s,
+	# where pip's own install took ~20) and the constraint keeps it there.
 	rm -rf $(VENV)/.torch && $(PY) -m pip download --quiet --no-deps -c requirements/constraints.txt -d $(VENV)/.torch torch
 	$(UV) -c requirements/constraints.txt $(VENV)/.torch/torch-*.whl && rm -rf $(VENV)/.torch
 	$(UV) -c requirements/constraints.txt -e '.[test]'
