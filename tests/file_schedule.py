@@ -47,8 +47,6 @@ def longest_first(costs: dict[str, float], held_back: set[str], first_round: int
     ordered = sorted(costs, key=lambda unit: -costs[unit])
     others = [unit for unit in ordered if unit not in held_back]
     held = [unit for unit in ordered if unit in held_back]
-    if not held:
-        return ordered
     return others[:first_round] + sorted(held + others[first_round:], key=lambda unit: -costs[unit])
 
 
