@@ -53,6 +53,8 @@ def make_app(args: argparse.Namespace) -> web.Application:
             return web.json_response({"error": {"message": "kv_transfer_params.remote_request_id must be a non-empty "
                                                 "string", "type": "BadRequestError", "param": "kv_transfer_params",
                                                 "code": 400}}, status=400)
+        if params.get("do_remote_decode") and args.prefill_answers_a_list:  # 200, but no completion object
+            return web.json_response([{"kv_transfer_params": None}])
         if params.get("do_remote_decode"):
             rid = f"cmpl-{request.headers.get('X-Request-Id', 'x')}-0-{counter['n']:08x}"
             return web.json_response({
@@ -165,5 +167,6 @@ if __name__ == "__main__":
     parser.add_argument("--poison", default=None)
     parser.add_argument("--refuse-kv-params", action="store_true", help="answer 400 to a decode with P's params")
     parser.add_argument("--health-delay", type=float, default=0.0)
+    parser.add_argument("--prefill-answers-a-list", action="store_true", help="a prefill answered 200 with [...]")
     parser.add_argument("--port", type=int, default=0)
     asyncio.run(main(parser.parse_args()))

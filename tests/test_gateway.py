@@ -449,6 +449,18 @@ def test_prefill_deadline_gives_504_not_a_hang(recorded):
         g.stop()
 
 
+def test_a_prefill_answer_that_is_no_completion_is_a_502_not_a_crash(recorded):
+    start_fake, received = recorded
+    p, d = start_fake("P", "--prefill-answers-a-list"), start_fake("D")
+    g = gateway("--prefill", p.url, "--decode", d.url, "--retries", "0")
+    try:
+        r = httpx.post(g.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=30)
+        assert r.status_code == 502 and "answered invalid JSON" in r.json()["error"]["message"], r.text
+        assert received("D") == []  # nothing was sent on to D with parameters the gateway could not read
+    finally:
+        g.stop()
+
+
 def test_conditional_disaggregation(cluster):
     g = gateway("--prefill", cluster["P1"].url, "--decode", cluster["D1"].url, "--conditional",
                 "--min-prompt-tokens", "32")

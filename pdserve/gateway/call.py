@@ -32,7 +32,16 @@ from pdserve.telemetry.tracing import new_span_id
 
 log = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
-_decode = msgspec.json.decode
+
+
+class PrefillAnswer(msgspec.Struct):
+    """What the gateway reads of P's answer; the rest (the one token, its logprobs) is skipped unparsed."""
+
+    kv_transfer_params: Any = None
+    usage: dict[str, Any] | None = None
+
+
+_decode_prefill = msgspec.json.Decoder(PrefillAnswer).decode
 
 
 class Stage(enum.Enum):
@@ -97,7 +106,7 @@ class GatewayHandle(Protocol):
     def splicer(self) -> Any: ...
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Call:
     gateway: GatewayHandle
     path: str
@@ -199,8 +208,9 @@ class Call:
         return _encode(prompt)[:256] if prompt is not None else b""
 
     # -- legs -----------------------------------------------------------------------------------------------
-    async def call_json(self, leg: str, instance: Instance, body: dict[str, Any], timeout: float) -> dict[str, Any]:
-        """A leg whose whole JSON answer is needed (a prefill)."""
+    async def call_prefill(self, leg: str, instance: Instance, body: dict[str, Any], timeout: float
+                           ) -> PrefillAnswer:
+        """A prefill leg: its whole answer, of which the gateway reads only the KV parameters and the usage."""
         response = await self._send(leg, instance, body, timeout)
         try:
             raw = await response.read(timeout)
@@ -212,9 +222,10 @@ class Call:
         if response.status != 200:
             raise self._status_error(leg, instance, response.status, raw)
         try:
-            return _decode(raw)
-        except msgspec.DecodeError as exc:
-            raise LegError(leg, "bad_response", f"{leg} instance answered invalid JSON", instance=instance) from exc
+            return _decode_prefill(raw)
+        except msgspec.DecodeError as exc:  # ValidationError included: an answer that is no JSON object
+            raise LegError(leg, "bad_response", f"{leg} instance answered invalid JSON ({exc})",
+                           instance=instance) from exc
 
     async def relay(self, leg: str, instance: Instance, body: dict[str, Any]) -> None:
         """The leg whose answer goes to the client: SSE passes through as it arrives; JSON gets merged usage."""

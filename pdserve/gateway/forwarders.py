@@ -38,7 +38,9 @@ def prefill_body(body: dict[str, Any], transfer_id: TransferId, push: bool = Fal
 
     One sample too: P prefills the prompt once, and D draws the n samples from the same KV.
     """
-    out = {k: v for k, v in body.items() if k not in _PREFILL_DROPPED}
+    out = dict(body)
+    for key in _PREFILL_DROPPED:  # a few keys, not a pass over every field of the body
+        out.pop(key, None)
     out["max_tokens"] = 1
     if "n" in body:
         out["n"] = 1
@@ -94,12 +96,12 @@ class Pull(Forwarder):
         prefill = call.pick("prefill", decode)
         call.stage = Stage.PREFILL_SENT
         started = time.monotonic()
-        answer = await call.call_json("prefill", prefill, prefill_body(call.body, call.transfer_id,
-                                                                       vllm=_reads_vllm_nixl(decode)),
-                                      gw.deadlines.prefill_s)
+        answer = await call.call_prefill("prefill", prefill, prefill_body(call.body, call.transfer_id,
+                                                                          vllm=_reads_vllm_nixl(decode)),
+                                         gw.deadlines.prefill_s)
         call.timings["prefill"] = time.monotonic() - started
         call.timings["kv_ready"] = time.monotonic() - call.started
-        params = answer.get("kv_transfer_params")
+        params = answer.kv_transfer_params
         if decode is None:
             decode = call.pick("decode", prefill)  # staged: chosen now, on the freshest load
         if not isinstance(params, dict) or not params.get("do_remote_prefill"):
@@ -114,7 +116,7 @@ class Pull(Forwarder):
             await call.relay("decode", decode, call.body)
             return
         call.held = (prefill, params)
-        call.prefill_usage = answer.get("usage")
+        call.prefill_usage = answer.usage
         call.stage = Stage.KV_HELD
         call.stage = Stage.DECODE_SENT
         await call.relay("decode", decode, with_kv_params(call.body, params))
@@ -168,7 +170,7 @@ class Push(Forwarder):
             engine_id=side.engine_id, host=side.host, port=side.port,
             remote_key=None, block_ids=None, token=None, transfer_id=call.transfer_id, mode="push").to_wire()
         call.stage = Stage.DECODE_SENT
-        prefill_leg = asyncio.ensure_future(call.call_json("prefill", prefill, p_body, gw.deadlines.prefill_s))
+        prefill_leg = asyncio.ensure_future(call.call_prefill("prefill", prefill, p_body, gw.deadlines.prefill_s))
         prefill_leg.add_done_callback(lambda leg: _take_prefill_usage(call, leg))
         decode_leg = asyncio.ensure_future(call.relay("decode", decode, with_kv_params(call.body, d_params)))
         try:
@@ -190,7 +192,7 @@ class Push(Forwarder):
 
 def _take_prefill_usage(call: Call, leg: asyncio.Future) -> None:
     if not leg.cancelled() and leg.exception() is None:
-        call.prefill_usage = leg.result().get("usage")
+        call.prefill_usage = leg.result().usage
 
 
 FORWARDERS: dict[str, type[Forwarder]] = {f.name: f for f in (Pull, DecodeFirst, Colocated, Push)}

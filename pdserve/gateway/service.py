@@ -129,6 +129,7 @@ class Gateway:
         self.rebalancer = Rebalancer(self, config.rebalance_margin, config.rebalance_queue_margin,
                                      config.rebalance_max_mib_per_s) if config.rebalance else None
         self.registry.scrape_load = self.rebalancer is not None or any(p.reads_load for p in self.policies.values())
+        self.loop: asyncio.AbstractEventLoop | None = None  # the one it serves on, once started
 
     def _kv_routing(self, config: GatewayConfig) -> KVRouting | None:
         if config.policy != KvAware.name:
@@ -148,6 +149,7 @@ class Gateway:
 
     async def start(self) -> None:
         """Raises NoPairError when the pool can never serve the configured protocol."""
+        self.loop = asyncio.get_running_loop()
         await self.membership.start()
         await self.registry.probe_all()
         instances = list(self.registry.instances.values())

@@ -66,7 +66,8 @@ def merge_answer(prefill_usage: dict[str, Any] | None, raw: bytes) -> bytes:
 
 def merge_events(prefill_usage: dict[str, Any] | None, events: bytes) -> bytes:
     """Whole SSE events from D, the one that carries usage (a stream's last, when asked for) with P's counts."""
-    if prefill_usage is None or b'"usage"' not in events:
+    # `find`, not `in`: CPython's `bytes in bytes` raises and clears a TypeError first (the int case) each time.
+    if prefill_usage is None or events.find(b'"usage"') < 0:
         return events
     out = []
     for event in events.split(b"\n\n"):

@@ -20,6 +20,7 @@ from typing import Any
 
 import msgspec
 
+from pdserve.net.headers import request_header
 from pdserve.server.errors import error_body
 
 log = logging.getLogger(__name__)
@@ -76,24 +77,19 @@ class AccessPolicy:
     admin_paths: frozenset[str] = frozenset()
 
 
-class AccessGuard:
-    """ASGI middleware in front of the whole app: API key for client endpoints, admin rules for admin ones."""
+class AccessRules:
+    """API key for client endpoints, admin rules for admin ones: what a request is refused for, if anything."""
 
-    def __init__(self, app: Any, policy: AccessPolicy) -> None:
-        self.app = app
+    def __init__(self, policy: AccessPolicy) -> None:
         self.policy = policy
         self.keys = Tokens(policy.api_keys)
         self.admin = Tokens([policy.admin_token] if policy.admin_token else [])
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["method"] != "OPTIONS":
-            refusal = self._refusal(scope)
-            if refusal is not None:
-                await _refuse(send, *refusal)
-                return
-        await self.app(scope, receive, send)
-
-    def _refusal(self, scope: dict) -> tuple[int, str] | None:
+    def refusal(self, scope: dict) -> tuple[int, str] | None:
+        """(status, message) for an HTTP request these rules refuse; None for one they let through (and OPTIONS,
+        a CORS preflight, which carries no credentials)."""
+        if scope["method"] == "OPTIONS":
+            return None
         path = scope["path"]
         if path in self.policy.admin_paths:
             refusal = self._admin_refusal(scope)
@@ -103,13 +99,13 @@ class AccessGuard:
         if self._on_admin_port(scope):
             return (None if path in PUBLIC_PATHS else
                     (404, f"the admin port serves only {', '.join(sorted(self.policy.admin_paths))}"))
-        if self.keys and path not in PUBLIC_PATHS and not self.keys.accepts(_header(scope, b"authorization")):
+        if self.keys and path not in PUBLIC_PATHS and not self.keys.accepts(request_header(scope, b"authorization")):
             return 401, "invalid or missing API key: send 'Authorization: Bearer <api key>'"
         return None
 
     def _admin_refusal(self, scope: dict) -> tuple[int, str] | None:
         if self.admin:
-            if self.admin.accepts(_header(scope, b"authorization")):
+            if self.admin.accepts(request_header(scope, b"authorization")):
                 return None
             return 401, "admin endpoint: send 'Authorization: Bearer <admin token>' (the --admin-token)"
         if self._on_admin_port(scope):
@@ -124,6 +120,22 @@ class AccessGuard:
         return self.policy.admin_port is not None and server is not None and server[1] == self.policy.admin_port
 
 
+class AccessGuard:
+    """The rules as ASGI middleware in front of a whole app (an instance's). The gateway's own app asks them
+    directly, one coroutine fewer on the path of every request."""
+
+    def __init__(self, app: Any, policy: AccessPolicy) -> None:
+        self.app = app
+        self.rules = AccessRules(policy)
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        refusal = self.rules.refusal(scope) if scope["type"] == "http" else None
+        if refusal is not None:
+            await refuse(send, *refusal)
+            return
+        await self.app(scope, receive, send)
+
+
 def peer(scope: dict) -> str:
     """The caller's address, for the audit log, and whom a proxy says it forwarded for (X-Forwarded-For, read here
     rather than by a middleware on every request: the gateway serves without uvicorn's)."""
@@ -133,14 +145,7 @@ def peer(scope: dict) -> str:
     return f"{address} (x-forwarded-for: {forwarded[:256].decode('latin-1')})" if forwarded else address
 
 
-def _header(scope: dict, name: bytes) -> bytes | None:
-    for key, value in scope["headers"]:
-        if key == name:
-            return value
-    return None
-
-
-async def _refuse(send: Any, status: int, message: str) -> None:
+async def refuse(send: Any, status: int, message: str) -> None:
     body = msgspec.json.encode(error_body(status, message))
     headers = [(b"content-type", b"application/json")]
     if status == 401:

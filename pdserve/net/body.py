@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pdserve.net.headers import request_header
+
 # 32 MiB, as common reverse proxies allow: a few photos as base64 data URLs (a 4 MB JPEG is ~5.3 MB encoded)
 # fit with room to spare, while a text prompt that long is already far past any context window.
 DEFAULT_MAX_BODY_BYTES = 32 << 20
@@ -22,13 +24,11 @@ class BodyTooLarge(Exception):
 
 
 def declared_length(scope: dict[str, Any]) -> int | None:
-    for key, value in scope["headers"]:
-        if key == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                return None
-    return None
+    value = request_header(scope, b"content-length")
+    try:
+        return None if value is None else int(value)
+    except ValueError:
+        return None
 
 
 async def read_body(scope: dict[str, Any], receive: Any, limit: int) -> bytes:

@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 
 from pdserve.ids import clean_request_id
-from pdserve.net.headers import MAX_HEADER_VALUE_BYTES, bound_headers
+from pdserve.net.headers import bound_headers, over_bound, request_header, set_request_headers
 
 log = logging.getLogger("pdserve.server")
 access_log = logging.getLogger("pdserve.access")
@@ -61,7 +61,8 @@ class Front:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        scope["headers"] = _clean_headers(scope["headers"])
+        if request_header(scope, b"x-request-id") is not None:
+            set_request_headers(scope, _clean_headers(scope["headers"]))
         record = AccessRecord(scope["method"], scope["path"], time.monotonic())
         scope.setdefault("state", {})[STATE_KEY] = record
 
@@ -72,11 +73,12 @@ class Front:
             kind = message["type"]
             if kind == "http.response.start":
                 record.status = message["status"]
-                for key, value in message.get("headers", ()):
-                    if key.lower() == b"x-request-id":
-                        record.request_id = value.decode("latin-1")
-                    if len(value) > MAX_HEADER_VALUE_BYTES:
-                        message = {**message, "headers": bound_headers(message["headers"])}
+                headers = message.get("headers", ())
+                request_id = dict(headers).get(b"x-request-id")  # ASGI's header names are lower case
+                if request_id is not None:
+                    record.request_id = request_id.decode("latin-1")
+                if over_bound(headers):
+                    message = {**message, "headers": bound_headers(headers)}
             await send(message)
             if kind == "http.response.body" and (
                     not message.get("more_body", False) or message.get("body", b"").endswith(_SSE_END)):
@@ -107,8 +109,6 @@ async def _internal_error(send: Any, kind: str) -> None:
 
 
 def _clean_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    if all(key != b"x-request-id" for key, _ in headers):
-        return headers  # most requests: nothing to clean, no copy
     out = []
     for key, value in headers:
         if key == b"x-request-id":

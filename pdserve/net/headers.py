@@ -6,11 +6,15 @@ that may grow with the request (one internal id per prompt and sample) is writte
 the count of those left out in a second header; the full list is in the request's timeline
 (`GET /v1/timeline/{X-Request-Id}`, one timeline per internal id). Anything else over the bound is cut and logged,
 never sent whole.
+
+Request headers are read here too, by name, from one dict per request (`request_header`).
 """
 
 from __future__ import annotations
 
 import logging
+from operator import itemgetter
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -39,3 +43,33 @@ def bound_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes
             value = value[:MAX_HEADER_VALUE_BYTES]
         out.append((key, value))
     return out
+
+
+_value = itemgetter(1)
+
+
+def over_bound(headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether any value is over the bound: one pass in C, since every response asks."""
+    return bool(headers) and max(map(len, map(_value, headers))) > MAX_HEADER_VALUE_BYTES
+
+
+# Where a request's headers, by name, are kept in its ASGI scope once some layer asked for one.
+HEADER_MAP_KEY = "pdserve.headers"
+
+
+def request_header(scope: dict[str, Any], name: bytes) -> bytes | None:
+    """A request header by its lower-case name (the first, if the client repeated it).
+
+    The front, the access guard, the body limit and the gateway's route each read one or two headers of every
+    request: a dict made once in C, on the first ask, instead of a scan of the list by each of them.
+    """
+    found = scope.get(HEADER_MAP_KEY)
+    if found is None:
+        found = scope[HEADER_MAP_KEY] = dict(reversed(scope["headers"]))
+    return found.get(name)
+
+
+def set_request_headers(scope: dict[str, Any], headers: list[tuple[bytes, bytes]]) -> None:
+    """Replace the request's headers (a layer cleaned them): what `request_header` reads follows."""
+    scope["headers"] = headers
+    scope.pop(HEADER_MAP_KEY, None)

@@ -207,7 +207,9 @@ class _Connection(asyncio.Protocol):
         self._count(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._count(len(name) + len(value) + 4)
+        self._head_bytes += len(name) + len(value) + 4  # _count, inline: called for every header of every request
+        if self._head_bytes > MAX_HEAD_BYTES:
+            raise _HeadTooLarge
         name = name.lower()
         if name == b"expect" and value.lower() == b"100-continue":
             self._continue = True
@@ -215,7 +217,7 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         parser, url = self.parser, self._url
-        if url[:1] == b"/" and b"?" not in url and b"%" not in url:
+        if url[:1] == b"/" and url.find(b"?") < 0 and url.find(b"%") < 0:  # not `in`: see _start in http1_exchange
             raw, query, path = url, b"", url.decode("ascii")
         else:
             parsed = httptools.parse_url(url)

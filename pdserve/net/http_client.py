@@ -254,6 +254,9 @@ class HttpPool:
         self._idle: list[_Connection] = []
         self.host_header = f"{host}:{port}".encode()
         self.headers = headers or []  # sent with every request (the upstream's credentials)
+        # The part of every request's head that never changes, joined once.
+        self._fixed_head = b"".join([b" HTTP/1.1\r\nhost: ", self.host_header, b"\r\n",
+                                     *(b"%s: %s\r\n" % pair for pair in self.headers)])
         self.read_headers = read_headers
         self.deadlines = Sweeper(_SWEEP_TICK_S)  # the deadlines of waits of _SWEPT_FROM_S and longer
 
@@ -290,27 +293,24 @@ class HttpPool:
         it could not finish cleanly) fails without a byte back: the request is sent once more on a fresh
         connection, since the upstream never read it. Any other failure is the caller's to judge.
         """
-        head = [method.encode(), b" ", path.encode(), b" HTTP/1.1\r\nhost: ", self.host_header,
-                b"\r\ncontent-length: ", str(len(body)).encode(), b"\r\n"]
-        for name, value in (*self.headers, *(headers or ())):
-            head += [name, b": ", value, b"\r\n"]
-        head.append(b"\r\n")
-        message = b"".join(head) + body
+        head = [method.encode(), b" ", path.encode(), self._fixed_head, b"content-length: %d\r\n" % len(body)]
+        for name, value in headers or ():
+            head += (name, b": ", value, b"\r\n")
+        head += (b"\r\n", body)
+        message = b"".join(head)
         conn = await self._connect(connect_timeout)
-        try:
-            return await self._exchange(conn, message, header_timeout)
-        except UpstreamError:
-            if not conn.reused or conn.received:
-                raise
-        return await self._exchange(await self._connect(connect_timeout, reuse=False), message, header_timeout)
-
-    async def _exchange(self, conn: _Connection, message: bytes, header_timeout: float | None) -> Response:
-        response = Response(conn)
-        conn.response = response
-        conn.received = False
-        conn.transport.write(message)
-        await response.headers(header_timeout)
-        return response
+        while True:  # the exchange inline, not in a coroutine of its own: one fewer on the path of every wait
+            response = Response(conn)
+            conn.response = response
+            conn.received = False
+            conn.transport.write(message)
+            try:
+                await response.headers(header_timeout)
+                return response
+            except UpstreamError:
+                if not conn.reused or conn.received:
+                    raise
+            conn = await self._connect(connect_timeout, reuse=False)
 
     def close(self) -> None:
         for conn in self._idle:

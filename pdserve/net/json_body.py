@@ -36,20 +36,19 @@ def decode_object(raw: bytes) -> dict[str, Any]:
 
 
 _CONTAINERS = (dict, list)
+_CONTAINER_TYPES = frozenset(_CONTAINERS)
 
 
 def _too_deep(data: dict[str, Any]) -> bool:
-    """Iterative; a list of scalars (token ids) is cleared in one C-level pass over the types of its items."""
+    """Iterative; an object or list of scalars (most bodies' top level, token ids) is cleared in one C-level pass
+    over the types of its items."""
     stack: list[tuple[Any, int]] = [(data, 1)]
     while stack:
         node, depth = stack.pop()
         if depth > MAX_JSON_DEPTH:
             return True
         children = node.values() if isinstance(node, dict) else node
-        if isinstance(node, list) and not _CONTAINERS_SET.intersection(set(map(type, node))):
+        if _CONTAINER_TYPES.isdisjoint(map(type, children)):
             continue
         stack.extend((child, depth + 1) for child in children if isinstance(child, _CONTAINERS))
     return False
-
-
-_CONTAINERS_SET = frozenset(_CONTAINERS)
