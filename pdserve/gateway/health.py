@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class Breaker:
     last_alive: float = float("-inf")
     transitions: dict[tuple[str, str], int] = field(default_factory=dict)
     checks: dict[str, int] = field(default_factory=dict)  # health check results: ok, failed, slow_but_serving
+    on_move: Callable[[], None] | None = None  # told of every change of state (the registry's epoch)
 
     @property
     def closed(self) -> bool:
@@ -102,3 +104,5 @@ class Breaker:
         key = (self.state.value, to.value)
         self.transitions[key] = self.transitions.get(key, 0) + 1
         self.state = to
+        if self.on_move is not None:
+            self.on_move()

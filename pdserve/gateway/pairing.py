@@ -39,19 +39,21 @@ class Pairing:
         self.registry = registry
         self.protocol = protocol
         self.paired = protocol in PAIRED_PROTOCOLS
-        self._cache: dict[tuple[str, Instance | None], tuple[tuple, list[Instance]]] = {}
+        self._cache: dict[tuple[str, Instance | None], tuple[int, list[Instance]]] = {}
 
     def candidates(self, role: str, partner: Instance | None) -> list[Instance]:
         """`eligible` among the usable instances of `role`, worked out again only when an instance came, went,
-        changed health or said it is something else: every request asks twice, and the answer rarely changes."""
-        signature = self.registry.signature()
+        changed health or said it is something else (the registry's epoch): every request asks twice, and the
+        answer rarely changes. The epoch is one number however large the fleet, where a key made of every
+        instance's state cost each pick a pass over the fleet."""
+        epoch = self.registry.epoch
         cached = self._cache.get((role, partner))
-        if cached is not None and cached[0] == signature:
+        if cached is not None and cached[0] == epoch:
             return cached[1]
-        if len(self._cache) > 4 * len(signature) + 8:
+        if len(self._cache) > 4 * len(self.registry.instances) + 8:
             self._cache.clear()  # partners that left the pool
         found = self.eligible(role, self.registry.usable(role), partner)
-        self._cache[(role, partner)] = (signature, found)
+        self._cache[(role, partner)] = (epoch, found)
         return found
 
     def eligible(self, role: str, usable: list[Instance], partner: Instance | None) -> list[Instance]:

@@ -77,6 +77,7 @@ class Registry:
         self.scrape_load = True
         self._tasks: list[asyncio.Task] = []
         self._probes: set[asyncio.Task] = set()  # first checks of members that joined while running
+        self.epoch = 0  # counts the changes `changed` is told of
 
     # -- membership ---------------------------------------------------------------------------------------
     def add(self, url: str, role: str) -> Instance:
@@ -96,12 +97,14 @@ class Registry:
             if existing.record is not None and existing.record.model != record.model:
                 existing.model = None  # check the instance against the model its new record names
             existing.role, existing.record = record.role, record
+            self.changed()
             return existing
         parts = urlsplit(url)
         instance = Instance(url=url, role=record.role, pool=self.client.pool(parts.hostname, parts.port),
                             probe_pool=self.client.pool(parts.hostname, parts.port, _DRAIN_HEADERS),
-                            breaker=Breaker(self.health, url), record=record)
+                            breaker=Breaker(self.health, url, on_move=self.changed), record=record)
         self.instances = {**self.instances, url: instance}
+        self.changed()
         if self._tasks:  # running: check it now, so that it can take traffic at once, not at the next tick
             probe = asyncio.create_task(self._probe(instance))
             self._probes.add(probe)
@@ -113,14 +116,16 @@ class Registry:
         if url not in self.instances:
             return False
         self.instances = {k: v for k, v in self.instances.items() if k != url}
+        self.changed()
         return True
 
     def usable(self, role: str) -> list[Instance]:
         return [i for i in self.instances.values() if i.healthy and i.serves(role)]
 
-    def signature(self) -> tuple:
-        """Everything `usable` and pairing read, per instance: equal signatures, equal answers (a cache key)."""
-        return tuple([(i, i.role, i.breaker.state, i.draining, i.caps) for i in self.instances.values()])
+    def changed(self) -> None:
+        """Something `usable` and pairing read changed: an instance came or went, or one's role, breaker state,
+        draining or capabilities. What was worked out from them before is stale (`epoch`, a cache key)."""
+        self.epoch += 1
 
     def has_route(self, needs: tuple[str, ...]) -> bool:
         return all(self.usable(role) for role in needs)
@@ -175,6 +180,7 @@ class Registry:
         if draining != instance.draining:
             log.info("instance %s %s", instance.url, "is draining: no new work" if draining else "no longer drains")
             instance.draining = draining
+            self.changed()
         if response.status != 200 and not draining:
             return f"/health answered {response.status}"
         now = time.monotonic()
@@ -203,6 +209,7 @@ class Registry:
         if caps != instance.caps:
             log.info("%s instance %s is %s", instance.role, instance.url, caps.describe())
             instance.caps = caps
+            self.changed()
         return True
 
     async def _scrape_loop(self) -> None:
