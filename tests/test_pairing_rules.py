@@ -67,3 +67,37 @@ def test_like_with_like_and_nixl_pairs_are_unchanged():
     assert not nixl().can_feed(pdserve(), "pull")  # loading vLLM NIXL's KV is its own source
     assert nixl().can_feed(pdserve(sources=("vllm-nixl",)), "pull")
     assert not nixl().can_feed(vllm_pd(), "pull") and not vllm_pd().can_feed(nixl(), "pull")
+
+
+def test_the_pairing_cache_follows_every_change_of_the_pool():
+    """Pairing caches its answer by the registry's epoch: a breaker that opens or closes, an instance that joins or
+    leaves, must each change the answer at once (a stale cache would keep sending requests to a dead instance)."""
+    from pdserve.gateway.pairing import Pairing
+    from pdserve.gateway.registry import Registry
+    from pdserve.membership.record import MemberRecord
+    from pdserve.net.http_client import HttpClient, UpstreamError
+
+    registry = Registry(HttpClient())
+    pairing = Pairing(registry, "pull")
+
+    def join(url: str, role: str):
+        instance = registry.join(MemberRecord(url=url, role=role, source="static"))
+        instance.caps = pdserve()
+        registry.changed()  # as the registry's own probe does when it learns what an instance is
+        instance.breaker.probe_result(ok=True, slow=False)
+        return instance
+
+    p1, p2, d = join("http://127.0.0.1:1", "prefill"), join("http://127.0.0.1:2", "prefill"), \
+        join("http://127.0.0.1:3", "decode")
+    assert pairing.candidates("prefill", d) == [p1, p2]
+    for _ in range(registry.health.failure_threshold):
+        registry.report_failure(p1, UpstreamError("refused"))
+    assert pairing.candidates("prefill", d) == [p2]  # its breaker opened
+    p1.breaker.probe_result(ok=True, slow=False)
+    assert pairing.candidates("prefill", d) == [p1, p2]  # and closed again
+    registry.remove(p2.url)
+    assert pairing.candidates("prefill", d) == [p1]
+    p3 = join("http://127.0.0.1:4", "prefill")
+    assert pairing.candidates("prefill", d) == [p1, p3]
+    registry.join(MemberRecord(url=p3.url, role="decode", source="static"))  # the same address, another role
+    assert pairing.candidates("prefill", d) == [p1]
