@@ -65,8 +65,11 @@ def assert_ordered(timeline: dict, expected: list[str]) -> None:
 
 @pytest.mark.parametrize("protocol", ["pull", "push"])
 def test_every_process_records_the_request(cluster, protocol):
-    request_id = f"tl-{protocol}-{uuid.uuid4().hex[:8]}"
-    prompt = PROMPTS[protocol]  # its own prompt, so no prefix-cache hit shortens P's prefill
+    tag = uuid.uuid4()
+    request_id = f"tl-{protocol}-{tag.hex[:8]}"
+    # Its own prompt, so no prefix-cache hit shortens P's prefill: a first token of its own too, so that a rerun of
+    # a failed try does not find the try's prompt cached.
+    prompt = [200 + tag.int % 3800, *PROMPTS[protocol][1:]]  # the tiny model has 4,099 ids
     before = {"pull": metric_values(cluster["D"].url)["pdserve:kv_transfer_bytes_received_total"],
               "push": metric_values(cluster["P"].url)["pdserve:kv_push_bytes_sent_total"]}
     answer = httpx.post(cluster[protocol].url + "/v1/completions", headers={"X-Request-Id": request_id}, timeout=60,
