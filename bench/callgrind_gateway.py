@@ -14,7 +14,6 @@ callgrind a request takes ~50× longer, so every request outlives the 50 ms afte
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import subprocess
 import sys
@@ -59,18 +58,11 @@ def main() -> int:
     args = ap.parse_args()
     cleanup = H.Cleanup()
     work = cleanup.work_dir("callgrind")  # removed at exit, with the callgrind dumps in it
-    stubs = [G.spawn(f"stub-{r[0].upper()}", [sys.executable, str(BENCH / "stub_backend.py"), "--port", "0", "--role",
-                                               r, "--kind", args.instances], work, cleanup, ready_line=True)
-             for r in ("prefill", "decode")]
+    stubs = G.start_stubs(args.instances, work, cleanup)
     out = work / "callgrind.out"
-    gateway = G.spawn("pdserve", ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, "-m",
-                                  "pdserve", "gateway", "--prefill", stubs[0].url, "--decode", stubs[1].url,
-                                  "--protocol", "pull", "--scheduling", "batch", "--policy", "round_robin",
-                                  "--api-key", G.API_KEY, "--host", "127.0.0.1", "--port", "0", "--log-level",
-                                  "warning"], work, cleanup, ready_line=True,
-                      env={"PYTHONUNBUFFERED": "1", "PYTHONPATH": args.checkout}, cwd=args.checkout)
-    script = work / "wrk.lua"
-    script.write_text(G.WRK_LUA.format(body=json.dumps(G.BODY.decode()), key=G.API_KEY))
+    gateway = G.pdserve_gateway(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, "-m",
+                                 "pdserve"], stubs[0].url, stubs[1].url, work, cleanup, args.checkout)
+    script = G.write_wrk_script(work / "wrk.lua")
     G.run_wrk(gateway.url, script, 32, 3)
     subprocess.run(["callgrind_control", "--zero", str(gateway.pid)], check=True, capture_output=True)
     result, _ = G.run_wrk(gateway.url, script, args.connections, args.seconds)

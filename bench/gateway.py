@@ -177,18 +177,36 @@ def peer_exe(name: str) -> str:
     return str(exe)
 
 
+def start_stubs(instances: str, work: Path, cleanup: H.Cleanup) -> list[Proc]:
+    """P and D stubs (bench/stub_backend.py) answering like `instances`: "vllm" or "pdserve"."""
+    return [spawn(f"stub-{r[0].upper()}", [sys.executable, str(BENCH / "stub_backend.py"), "--port", "0", "--role", r,
+                                           "--kind", instances], work, cleanup, ready_line=True)
+            for r in ("prefill", "decode")]
+
+
+def pdserve_gateway(launcher: list[str], p_url: str, d_url: str, work: Path, cleanup: H.Cleanup, root: str,
+                    protocol: str = "pull", name: str = "pdserve") -> Proc:
+    """`pdserve gateway` from the checkout `root` in front of P and D, everything on but tracing, run by `launcher`:
+    the command that runs pdserve's CLI (`python -m pdserve`, or a profiler's wrapper of it)."""
+    # `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH: each gateway runs in the
+    # checkout it measures (from this one, the base would import this checkout's pdserve).
+    return spawn(name, [*launcher, "gateway", "--prefill", p_url, "--decode", d_url, "--protocol", protocol,
+                        "--scheduling", "batch", "--policy", "round_robin", "--api-key", API_KEY, "--host",
+                        "127.0.0.1", "--port", "0", "--log-level", "warning"], work, cleanup, ready_line=True,
+                 env={"PYTHONUNBUFFERED": "1", "PYTHONPATH": root}, cwd=root)
+
+
+def write_wrk_script(path: Path, body: bytes = BODY) -> Path:
+    """wrk's script: POST `body` to /v1/completions with the API key, and the summary as one JSON line."""
+    path.write_text(WRK_LUA.format(body=json.dumps(body.decode()), key=API_KEY))
+    return path
+
+
 def start_target(name: str, p_url: str, d_url: str, work: Path, cleanup: H.Cleanup, base: str | None = None,
                  protocol: str = "pull") -> Proc:
     if name in ("pdserve", "pdserve-base"):
-        # `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH: each gateway runs in the
-        # checkout it measures (from this one, the base would import this checkout's pdserve).
         root = base if name == "pdserve-base" else str(BENCH.parent)
-        env = {"PYTHONUNBUFFERED": "1", "PYTHONPATH": root}
-        return spawn(name, [sys.executable, "-m", "pdserve", "gateway", "--prefill", p_url, "--decode", d_url,
-                            "--protocol", protocol, "--scheduling", "batch", "--policy", "round_robin",
-                            "--api-key", API_KEY, "--host",
-                            "127.0.0.1", "--port", "0", "--log-level", "warning"], work, cleanup, ready_line=True,
-                     env=env, cwd=root)
+        return pdserve_gateway([sys.executable, "-m", "pdserve"], p_url, d_url, work, cleanup, root, protocol, name)
     port, prom = H.free_port(), H.free_port()
     if name == "vllm-router":
         cmd = [peer_exe(name), "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation", "--prefill",
@@ -366,9 +384,7 @@ def measure(instances: str, args: argparse.Namespace, targets: list[str], kinds:
             work: Path) -> dict[str, Any] | None:
     """Stubs answering like `instances` (vllm or pdserve), every target in front of them, the rounds; None when a
     target failed its sanity check."""
-    stubs = [spawn(f"stub-{r[0].upper()}", [sys.executable, str(BENCH / "stub_backend.py"), "--port", "0",
-                                            "--role", r, "--kind", instances], work, cleanup, ready_line=True)
-             for r in ("prefill", "decode")]
+    stubs = start_stubs(instances, work, cleanup)
     routers = {t: start_target(t, stubs[0].url, stubs[1].url, work, cleanup, args.base, args.protocol)
                for t in targets if t != "direct"}
     urls = {"direct": stubs[1].url, **{t: p.url for t, p in routers.items()}}
@@ -376,10 +392,8 @@ def measure(instances: str, args: argparse.Namespace, targets: list[str], kinds:
     if problems:
         print("SANITY:\n  " + "\n  ".join(problems))
         return None
-    scripts = {}
-    for kind, body in (("c32", BODY), ("c1", BODY), ("stream", STREAM_BODY)):
-        scripts[kind] = work / f"{kind}.lua"
-        scripts[kind].write_text(WRK_LUA.format(body=json.dumps(body.decode()), key=API_KEY))
+    scripts = {kind: write_wrk_script(work / f"{kind}.lua", body)
+               for kind, body in (("c32", BODY), ("c1", BODY), ("stream", STREAM_BODY))}
     bench, runs, idles = Bench(stubs, routers, scripts), [], []
     for rnd in range(args.rounds):
         if not args.no_idle and routers:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 from pathlib import Path
 
@@ -55,8 +54,7 @@ def main() -> int:
         return 0
     cleanup = H.Cleanup()  # stops the servers by PID and removes the work folder, however the run ends
     work = cleanup.work_dir("http-front")
-    script = work / "post.lua"
-    script.write_text(G.WRK_LUA.format(body=json.dumps(G.BODY.decode()), key=G.API_KEY))
+    script = G.write_wrk_script(work / "post.lua")
     servers = {http: G.spawn(http, [sys.executable, __file__, "--serve", http], work, cleanup, ready_line=True)
                for http in ("pdserve", "uvicorn")}
     cost: dict[tuple[str, int], list[float]] = {}

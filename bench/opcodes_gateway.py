@@ -85,17 +85,11 @@ def main() -> int:
     args = ap.parse_args()
     cleanup = H.Cleanup()
     work = cleanup.work_dir("opcodes")
-    stubs = [G.spawn(f"stub-{r[0].upper()}", [sys.executable, str(BENCH / "stub_backend.py"), "--port", "0", "--role",
-                                               r, "--kind", args.instances], work, cleanup, ready_line=True)
-             for r in ("prefill", "decode")]
+    stubs = G.start_stubs(args.instances, work, cleanup)
     raw = work / "counts.json"
-    gateway = G.spawn("pdserve", [sys.executable, str(Path(__file__).resolve()), "--traced", str(raw), "gateway",
-                                  "--prefill", stubs[0].url, "--decode", stubs[1].url, "--protocol", "pull",
-                                  "--scheduling", "batch", "--policy", "round_robin", "--api-key", G.API_KEY,
-                                  "--host", "127.0.0.1", "--port", "0", "--log-level", "warning"], work, cleanup,
-                      ready_line=True, env={"PYTHONUNBUFFERED": "1", "PYTHONPATH": args.checkout}, cwd=args.checkout)
-    script = work / "wrk.lua"
-    script.write_text(G.WRK_LUA.format(body=json.dumps(G.BODY.decode()), key=G.API_KEY))
+    gateway = G.pdserve_gateway([sys.executable, str(Path(__file__).resolve()), "--traced", str(raw)], stubs[0].url,
+                                stubs[1].url, work, cleanup, args.checkout)
+    script = G.write_wrk_script(work / "wrk.lua")
     G.run_wrk(gateway.url, script, 32, 3)
     os.kill(gateway.pid, signal.SIGUSR1)
     result, _ = G.run_wrk(gateway.url, script, args.connections, args.seconds)
